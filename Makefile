@@ -1,0 +1,30 @@
+# Two commands set up and run everything on a fresh machine:
+#   make test   create .venv, install kmp with its test extra, lint, run the suite
+#   make demo   create .venv, install kmp, run the main job
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q
+
+demo: $(STAMP)
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""Test set-up shared by the suite and the docstring examples."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import policy as policy_lib
+
+# float32 references must be float32: no TF32 on GPUs that have it.
+tf.config.experimental.enable_tensor_float_32_execution(False)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kmp_state():
+    """Every test starts at float32 with no rules, and leaves nothing behind."""
+    keras.config.set_dtype_policy("float32")
+    policy_lib._last_set = None
+    kmp.clear_layer_policies()
+    policy_lib._unregister_user_policies()
+    keras.utils.set_random_seed(0)
+    yield
+    keras.config.set_dtype_policy("float32")
+    policy_lib._last_set = None
+    kmp.clear_layer_policies()
+    policy_lib._unregister_user_policies()
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+    doctest_namespace.update(kmp=kmp, keras=keras, np=np, tf=tf)

@@ -1,0 +1,48 @@
+"""kmp: mixed-precision training for Keras 3 on TensorFlow.
+
+>>> import kmp
+>>> kmp.set_policy("mixed_bfloat16")
+<Policy "mixed_bfloat16": compute=bfloat16, variables=float32>
+"""
+
+from kmp import hardware
+from kmp.model import compile
+from kmp.policy import Policy
+from kmp.policy import PolicyError
+from kmp.policy import get_policy
+from kmp.policy import list_policies
+from kmp.policy import policy_scope
+from kmp.policy import register_policy
+from kmp.policy import set_policy
+from kmp.rules import LayerPrecision
+from kmp.rules import LayerRule
+from kmp.rules import PrecisionReport
+from kmp.rules import RuleConflictError
+from kmp.rules import clear_layer_policies
+from kmp.rules import layer_rules
+from kmp.rules import precision_report
+from kmp.rules import prepare
+from kmp.rules import set_layer_policy
+from kmp.version import __version__
+
+__all__ = [
+    "LayerPrecision",
+    "LayerRule",
+    "Policy",
+    "PolicyError",
+    "PrecisionReport",
+    "RuleConflictError",
+    "__version__",
+    "clear_layer_policies",
+    "compile",
+    "get_policy",
+    "hardware",
+    "layer_rules",
+    "list_policies",
+    "policy_scope",
+    "precision_report",
+    "prepare",
+    "register_policy",
+    "set_layer_policy",
+    "set_policy",
+]

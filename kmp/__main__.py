@@ -1,0 +1,7 @@
+"""`python -m kmp` runs the `kmp` command line."""
+
+import sys
+
+from kmp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""`kmp.compile`: `model.compile` with kmp's precision rules applied first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from kmp import rules
+
+
+def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
+    """Applies kmp's precision rules to `model`, then calls `model.compile`.
+
+    Use it in place of `model.compile(...)`: it takes the same arguments and
+    makes sure that numerically sensitive layers (softmax, normalization,
+    attention scores, softmax/sigmoid outputs) compute in float32 under a
+    16-bit policy, without a second call to remember.
+
+    Args:
+        model: The Keras model to compile.
+        **compile_kwargs: Passed to `model.compile` unchanged.
+
+    Returns:
+        The same model, compiled.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...                           keras.layers.Dense(3, activation="softmax")])
+    >>> model = kmp.compile(model, optimizer="adam",
+    ...                     loss="sparse_categorical_crossentropy")
+    >>> model.layers[-1].compute_dtype
+    'float32'
+
+    See also: `kmp.prepare`, `kmp.precision_report`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "kmp.compile() expects a keras.Model. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    rules.prepare(model)
+    model.compile(**compile_kwargs)
+    return model

@@ -1,0 +1,3 @@
+"""The kmp version."""
+
+__version__ = "0.1.0"

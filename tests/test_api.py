@@ -1,0 +1,31 @@
+"""The public API is a checked-in list, so that changes show up in review."""
+
+import ast
+import pathlib
+
+import kmp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_public_names_match_the_checked_in_list():
+    expected = (ROOT / "tests" / "api.txt").read_text().split()
+    assert sorted(kmp.__all__) == sorted(expected)
+    for name in kmp.__all__:
+        assert hasattr(kmp, name), name
+
+
+def test_init_only_re_exports():
+    tree = ast.parse((ROOT / "kmp" / "__init__.py").read_text())
+    for node in tree.body:
+        assert isinstance(node, (ast.ImportFrom, ast.Import, ast.Assign, ast.Expr)), (
+            f"kmp/__init__.py line {node.lineno} does more than re-export"
+        )
+
+
+def test_every_public_function_has_a_docstring_with_an_example():
+    for name in kmp.__all__:
+        obj = getattr(kmp, name)
+        if callable(obj) and name[0].islower():
+            doc = obj.__doc__ or ""
+            assert ">>>" in doc, f"kmp.{name} has no runnable example"

@@ -1,0 +1,35 @@
+"""Every Python code block in the README runs, and every example script runs."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs(index):
+    exec(compile(BLOCKS[index], f"README.md[block {index}]", "exec"), {})
+
+
+@pytest.mark.slow
+def test_quickstart_example_trains_and_reports():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "Precision of 'sequential'" in result.stdout
+    accuracy = float(re.search(r"final accuracy: ([0-9.]+)", result.stdout).group(1))
+    assert accuracy > 0.5  # 10 classes: chance is 0.1
