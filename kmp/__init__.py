@@ -6,6 +6,9 @@
 """
 
 from kmp import hardware
+from kmp.loss_scale import LossScaleConfig
+from kmp.loss_scale import LossScaleError
+from kmp.loss_scale import all_finite
 from kmp.model import compile
 from kmp.policy import Policy
 from kmp.policy import PolicyError
@@ -28,11 +31,14 @@ from kmp.version import __version__
 __all__ = [
     "LayerPrecision",
     "LayerRule",
+    "LossScaleConfig",
+    "LossScaleError",
     "Policy",
     "PolicyError",
     "PrecisionReport",
     "RuleConflictError",
     "__version__",
+    "all_finite",
     "clear_layer_policies",
     "compile",
     "get_policy",
