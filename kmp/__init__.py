@@ -10,6 +10,7 @@ from kmp.loss_scale import LossScaleConfig
 from kmp.loss_scale import LossScaleError
 from kmp.loss_scale import all_finite
 from kmp.model import compile
+from kmp.optimizer import LossScaleOptimizer
 from kmp.policy import Policy
 from kmp.policy import PolicyError
 from kmp.policy import get_policy
@@ -26,6 +27,7 @@ from kmp.rules import layer_rules
 from kmp.rules import precision_report
 from kmp.rules import prepare
 from kmp.rules import set_layer_policy
+from kmp.tape import ScaledGradientTape
 from kmp.version import __version__
 
 __all__ = [
@@ -33,10 +35,12 @@ __all__ = [
     "LayerRule",
     "LossScaleConfig",
     "LossScaleError",
+    "LossScaleOptimizer",
     "Policy",
     "PolicyError",
     "PrecisionReport",
     "RuleConflictError",
+    "ScaledGradientTape",
     "__version__",
     "all_finite",
     "clear_layer_policies",

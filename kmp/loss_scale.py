@@ -156,16 +156,31 @@ class LossScaleState:
     consecutive_skips: Any
     last_finite: Any
 
+    # (name, dtype) of each field, in order.
+    SPEC = (
+        ("scale", tf.float32),
+        ("good_steps", tf.int64),
+        ("hysteresis_left", tf.int64),
+        ("skipped_total", tf.int64),
+        ("consecutive_skips", tf.int64),
+        ("last_finite", tf.bool),
+    )
+
+    @staticmethod
+    def initial_values(config: LossScaleConfig) -> tuple:
+        """The initial field values as Python scalars, in `SPEC` order."""
+        scale = 1.0 if config.mode == NONE else config.initial_scale
+        return (scale, 0, config.hysteresis, 0, 0, True)
+
     @classmethod
     def initial(cls, config: LossScaleConfig) -> LossScaleState:
-        scale = 1.0 if config.mode == NONE else config.initial_scale
+        """The initial state, as tensors."""
+        values = cls.initial_values(config)
         return cls(
-            scale=tf.constant(scale, tf.float32),
-            good_steps=tf.constant(0, tf.int64),
-            hysteresis_left=tf.constant(config.hysteresis, tf.int64),
-            skipped_total=tf.constant(0, tf.int64),
-            consecutive_skips=tf.constant(0, tf.int64),
-            last_finite=tf.constant(True),
+            *(
+                tf.constant(v, dtype)
+                for v, (_, dtype) in zip(values, cls.SPEC, strict=True)
+            )
         )
 
     def fields(self) -> tuple:

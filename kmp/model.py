@@ -6,7 +6,9 @@ from typing import Any
 
 import keras
 
+from kmp import policy as policy_lib
 from kmp import rules
+from kmp.optimizer import LossScaleOptimizer
 
 
 def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
@@ -15,7 +17,9 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
     Use it in place of `model.compile(...)`: it takes the same arguments and
     makes sure that numerically sensitive layers (softmax, normalization,
     attention scores, softmax/sigmoid outputs) compute in float32 under a
-    16-bit policy, without a second call to remember.
+    16-bit policy, without a second call to remember. Under a float16 model
+    policy the optimizer is wrapped in `kmp.LossScaleOptimizer` (unless it
+    already is a loss-scale optimizer), so Keras's own wrapper is not used.
 
     Args:
         model: The Keras model to compile.
@@ -43,5 +47,10 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
             f"{model!r} (of type {type(model).__name__})."
         )
     rules.prepare(model)
+    optimizer = compile_kwargs.get("optimizer", "rmsprop")
+    if policy_lib.get(model.dtype_policy).needs_loss_scaling and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        compile_kwargs["optimizer"] = LossScaleOptimizer(optimizer, mode="dynamic")
     model.compile(**compile_kwargs)
     return model

@@ -33,3 +33,17 @@ def test_quickstart_example_trains_and_reports():
     assert "Precision of 'sequential'" in result.stdout
     accuracy = float(re.search(r"final accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.5  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_custom_loop_example_trains_without_skips():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_loop.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "loss scale" in result.stdout
+    accuracy = float(re.search(r"train accuracy: ([0-9.]+)", result.stdout).group(1))
+    assert accuracy > 0.8  # 4 classes: chance is 0.25

@@ -1,0 +1,358 @@
+"""`kmp.LossScaleOptimizer`: dynamic (or static) loss scaling around any Keras
+optimizer, inside `model.fit` and in custom loops.
+
+It subclasses `keras.optimizers.LossScaleOptimizer` so that Keras's `compile`
+recognises it and never wraps it a second time; the scaling itself is kmp's
+(`kmp.loss_scale.next_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmp import loss_scale as ls
+from kmp import policy as policy_lib
+
+logger = logging.getLogger("kmp")
+
+_CLIPPING_ARGS = (
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "weight_decay",
+    "use_ema",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+_STATE_NAMES = (
+    "loss_scale",
+    "good_steps",
+    "hysteresis_left",
+    "skipped_steps_total",
+    "consecutive_skips",
+    "last_step_finite",
+)
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Scales the loss so that small float16 gradients survive, and skips the
+    steps whose gradients overflow.
+
+    Each step: the loss is multiplied by the scale, the gradients are divided
+    by it and checked for inf/NaN in one fused check; only finite steps reach
+    the inner optimizer (a skipped step changes no weight, no slot and not
+    `iterations`); then the scale moves as `kmp.LossScaleConfig` describes.
+    Clipping set on the inner optimizer acts on the unscaled gradients.
+
+    Under a policy that needs no loss scaling (bfloat16, float32) the
+    wrapper is a pass-through (mode `'none'`), so scripts need no branches.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap (an
+            instance or a name such as `"adam"`).
+        initial_scale, growth_factor, backoff_factor, growth_interval,
+        min_scale, max_scale, hysteresis: See `kmp.LossScaleConfig`.
+        mode: `'dynamic'`, `'static'` (fixed scale) or `'none'`. By default
+            `'dynamic'` when the global policy computes in float16 and
+            `'none'` otherwise.
+        name: The optimizer's name.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024)
+    >>> opt
+    <kmp.LossScaleOptimizer mode=dynamic initial_scale=1024.0 inner=SGD>
+    >>> var = keras.Variable(1.0)
+    >>> bool(opt.apply([tf.constant(float("inf"))], [var]))  # skipped
+    False
+    >>> float(opt.loss_scale), float(var)
+    (512.0, 1.0)
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        initial_scale: float = 2.0**15,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        mode: str | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ):
+        bad = [
+            k for k in kwargs if k in _CLIPPING_ARGS and kwargs[k] not in (None, False)
+        ]
+        if bad:
+            raise ValueError(
+                f"LossScaleOptimizer does not take {', '.join(bad)}: it would act "
+                "on scaled gradients. Set it on the inner optimizer instead, "
+                f"e.g. keras.optimizers.Adam({bad[0]}=...), which kmp feeds "
+                "unscaled gradients."
+            )
+        unknown = [k for k in kwargs if k not in _CLIPPING_ARGS]
+        if unknown:
+            raise TypeError(
+                f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}."
+            )
+        if isinstance(inner_optimizer, str):
+            inner_optimizer = keras.optimizers.get(inner_optimizer)
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                f"inner_optimizer is already a loss-scale optimizer "
+                f"({type(inner_optimizer).__name__}); wrapping it again would "
+                "scale the loss twice. Pass its inner optimizer instead: "
+                "kmp.LossScaleOptimizer(opt.inner_optimizer)."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "inner_optimizer must be a keras.optimizers.Optimizer (such as "
+                "keras.optimizers.Adam()) or an optimizer name such as 'adam'. "
+                f"Received: {inner_optimizer!r} (of type "
+                f"{type(inner_optimizer).__name__})."
+            )
+        if mode is None:
+            mode = ls.DYNAMIC if policy_lib.get_policy().needs_loss_scaling else ls.NONE
+        config = ls.LossScaleConfig(
+            initial_scale=initial_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+            mode=mode,
+        )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=config.initial_scale,
+            dynamic_growth_steps=config.growth_interval,
+            name=name,
+        )
+        self.config = config
+        # Set at trace time by the APIs that hand out *unscaled* gradients
+        # (ScaledGradientTape.gradient, get_unscaled_gradients), read and
+        # cleared by the next apply().
+        self._next_grads_unscaled = False
+
+    def __repr__(self) -> str:
+        inner = type(self.inner_optimizer).__name__
+        if self.config.mode == ls.NONE:
+            return f"<kmp.LossScaleOptimizer mode=none (pass-through) inner={inner}>"
+        return (
+            f"<kmp.LossScaleOptimizer mode={self.config.mode} "
+            f"initial_scale={self.config.initial_scale} inner={inner}>"
+        )
+
+    @property
+    def mode(self) -> str:
+        """`'dynamic'`, `'static'` or `'none'` (pass-through)."""
+        return self.config.mode
+
+    # --- state ----------------------------------------------------------
+
+    def build(self, var_list):
+        values = ls.LossScaleState.initial_values(self.config)
+        specs = ls.LossScaleState.SPEC
+        for name, value, (_, dtype) in zip(_STATE_NAMES, values, specs, strict=True):
+            variable = self.add_variable(
+                shape=(),
+                dtype=dtype.name,
+                initializer=keras.initializers.Constant(value),
+                aggregation="none",
+                name=name,
+            )
+            object.__setattr__(self, f"_{name}", variable)
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+        if self.mode == ls.NONE and policy_lib.get_policy().needs_loss_scaling:
+            logger.warning(
+                "kmp.LossScaleOptimizer was created under a policy without loss "
+                "scaling but is used under %s: float16 gradients may underflow. "
+                "Create it after kmp.set_policy(...), or pass mode='dynamic'.",
+                policy_lib.get_policy().name,
+            )
+
+    def _state(self) -> ls.LossScaleState:
+        return ls.LossScaleState(*(getattr(self, f"_{n}") for n in _STATE_NAMES))
+
+    def _require_built(self, what: str) -> None:
+        if not self.built:
+            raise ValueError(
+                f"{what} is not available before the optimizer is built. It is "
+                "built on the first apply() (or call optimizer.build(variables))."
+            )
+
+    @property
+    def loss_scale(self) -> keras.Variable:
+        """The current loss scale (a float32 variable; 1.0 in mode `'none'`)."""
+        self._require_built("loss_scale")
+        return self._loss_scale
+
+    @property
+    def dynamic_scale(self) -> keras.Variable:
+        """Alias of `loss_scale`, the name Keras's own wrapper uses."""
+        return self.loss_scale
+
+    @property
+    def skipped_steps_total(self) -> keras.Variable:
+        """Steps skipped because of non-finite gradients, in total."""
+        self._require_built("skipped_steps_total")
+        return self._skipped_steps_total
+
+    @property
+    def consecutive_skips(self) -> keras.Variable:
+        """Steps skipped in a row, up to and including the last one."""
+        self._require_built("consecutive_skips")
+        return self._consecutive_skips
+
+    @property
+    def good_steps(self) -> keras.Variable:
+        """Finite steps since the scale last changed."""
+        self._require_built("good_steps")
+        return self._good_steps
+
+    @property
+    def hysteresis_left(self) -> keras.Variable:
+        """Overflows still tolerated before the next backoff."""
+        self._require_built("hysteresis_left")
+        return self._hysteresis_left
+
+    @property
+    def last_step_finite(self) -> keras.Variable:
+        """Whether the last step's gradients were finite (it was applied)."""
+        self._require_built("last_step_finite")
+        return self._last_step_finite
+
+    def _current_scale(self):
+        if self.mode == ls.NONE:
+            return None
+        return self._loss_scale if self.built else self.config.initial_scale
+
+    # --- scaling ----------------------------------------------------------
+
+    def scale_loss(self, loss):
+        """Returns `loss * scale` (Keras's trainer calls this inside `fit`)."""
+        _check_loss(loss)
+        self._next_grads_unscaled = False
+        scale = self._current_scale()
+        if scale is None:
+            return loss
+        return loss * tf.cast(scale, loss.dtype)
+
+    def get_scaled_loss(self, loss):
+        """tf.keras 2 spelling: returns `loss * scale`.
+
+        Pair it with `get_unscaled_gradients` and `apply_gradients`, as in
+        TensorFlow's mixed-precision guide.
+        """
+        return self.scale_loss(loss)
+
+    def _unscale(self, grads):
+        scale = self._current_scale()
+        if scale is None:
+            return list(grads)
+
+        def unscale(g):
+            if g is None:
+                return None
+            if isinstance(g, tf.IndexedSlices):
+                return tf.IndexedSlices(
+                    g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape
+                )
+            return g / tf.cast(scale, g.dtype)
+
+        return [unscale(g) for g in grads]
+
+    def get_unscaled_gradients(self, grads):
+        """tf.keras 2 spelling: returns `grads / scale`; pass the result to
+        `apply_gradients` or `apply`, which will not unscale them again."""
+        self._next_grads_unscaled = True
+        return self._unscale(grads)
+
+    # --- applying ----------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Unscales `grads` (unless they came unscaled from a
+        `ScaledGradientTape` or `get_unscaled_gradients`), applies them with
+        the inner optimizer only if all are finite, and updates the scale.
+
+        Returns:
+            A scalar bool tensor: whether the step was applied.
+        """
+        grads = list(grads)
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "The first apply() needs trainable_variables to build the "
+                    "optimizer: optimizer.apply(grads, model.trainable_variables)."
+                )
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+            self.built = True
+        already_unscaled = self._next_grads_unscaled
+        self._next_grads_unscaled = False
+        if self.mode == ls.NONE:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return tf.constant(True)
+        if not already_unscaled:
+            grads = self._unscale(grads)
+        finite = ls.all_finite(grads)
+
+        def apply_inner():
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return tf.constant(True)
+
+        tf.cond(finite, apply_inner, lambda: tf.constant(False))
+        new = ls.next_state(self.config, self._state(), finite)
+        for variable, value in zip(self._state().fields(), new.fields(), strict=True):
+            variable.assign(value)
+        return finite
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars, strict=True)
+        return self.apply(grads, trainable_variables)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError(
+            "kmp runs on the TensorFlow backend, which applies gradients "
+            "statefully; stateless_apply is for JAX."
+        )
+
+    # --- serialization ------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        config = self.config.get_config()
+        config["name"] = self.name
+        config["inner_optimizer"] = keras.saving.serialize_keras_object(
+            self.inner_optimizer
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _check_loss(loss) -> None:
+    dtype = getattr(loss, "dtype", None)
+    if dtype is not None and not tf.as_dtype(dtype).is_floating:
+        raise TypeError(
+            f"The loss must be a floating-point tensor to be scaled. Received a "
+            f"loss of dtype {tf.as_dtype(dtype).name}. Cast it first: "
+            "tf.cast(loss, 'float32')."
+        )

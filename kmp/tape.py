@@ -1,0 +1,97 @@
+"""`kmp.ScaledGradientTape`: a `tf.GradientTape` that returns unscaled gradients
+computed from a scaled loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from kmp.optimizer import LossScaleOptimizer
+from kmp.optimizer import _check_loss
+
+
+class ScaledGradientTape(tf.GradientTape):
+    """A `tf.GradientTape` whose `gradient()` scales the loss and returns
+    unscaled gradients.
+
+    Backpropagation starts from `scale` instead of 1 (the same as
+    differentiating `loss * scale`), so small float16 gradients do not
+    underflow on the way; the result is divided by the scale. Pass the
+    gradients to `optimizer.apply(grads, variables)`: it skips the step if
+    any is inf/NaN, updates the scale, and returns whether it applied.
+    Clip the returned gradients as you like: they are unscaled.
+
+    Works eagerly and inside `tf.function`, with `persistent=True`, and for
+    gradients of gradients (the inner tape can be a plain `tf.GradientTape`).
+
+    Args:
+        optimizer: The `kmp.LossScaleOptimizer` that owns the scale.
+        persistent: As for `tf.GradientTape`.
+        watch_accessed_variables: As for `tf.GradientTape`.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    >>> w = keras.Variable(2.0)
+    >>> with kmp.ScaledGradientTape(opt) as tape:
+    ...     loss = w * w
+    >>> grads = tape.gradient(loss, [w])
+    >>> float(grads[0])
+    4.0
+    >>> bool(opt.apply(grads, [w])), float(w)
+    (True, 0.0)
+    """
+
+    def __init__(
+        self,
+        optimizer: LossScaleOptimizer,
+        persistent: bool = False,
+        watch_accessed_variables: bool = True,
+    ):
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError(
+                "ScaledGradientTape needs the kmp.LossScaleOptimizer that owns the "
+                "loss scale: kmp.ScaledGradientTape(kmp.LossScaleOptimizer(adam)). "
+                f"Received: {optimizer!r} (of type {type(optimizer).__name__})."
+            )
+        super().__init__(
+            persistent=persistent, watch_accessed_variables=watch_accessed_variables
+        )
+        self._optimizer = optimizer
+
+    @property
+    def optimizer(self) -> LossScaleOptimizer:
+        return self._optimizer
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
+        """Returns the unscaled gradients of `target` with respect to `sources`.
+
+        Same arguments and return structure as `tf.GradientTape.gradient`.
+        """
+        for t in tf.nest.flatten(target):
+            _check_loss(t)
+        scale = self._optimizer._current_scale()
+        if scale is None:  # mode 'none': a plain tape
+            return super().gradient(
+                target, sources, output_gradients, unconnected_gradients
+            )
+        if output_gradients is None:
+            seeds = tf.nest.map_structure(
+                lambda t: tf.ones_like(t) * tf.cast(scale, t.dtype), target
+            )
+        else:
+            seeds = tf.nest.map_structure(
+                lambda o: o * tf.cast(scale, o.dtype), output_gradients
+            )
+        grads = super().gradient(target, sources, seeds, unconnected_gradients)
+        flat = self._optimizer.get_unscaled_gradients(tf.nest.flatten(grads))
+        return tf.nest.pack_sequence_as(grads, flat)

@@ -1,0 +1,334 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+
+
+def regression_data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32"))
+
+
+def mlp(name="mlp"):
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1),
+        ],
+        name=name,
+    )
+
+
+def snapshot(model, optimizer):
+    return [v.numpy() for v in model.weights] + [
+        v.numpy() for v in optimizer.inner_optimizer.variables
+    ]
+
+
+def test_keras_compile_does_not_wrap_kmp_optimizer_again():
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss="mse")
+    assert model.optimizer is opt
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", keras.optimizers.SGD, "kmp"])
+def test_kmp_compile_scales_the_loss_exactly_once(optimizer):
+    x, y = regression_data(16)
+    y = y * 0.01  # small errors: no overflow at the default scale of 2**15
+    keras.config.set_dtype_policy("float32")
+    reference = mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    weights = reference.get_weights()
+    reference.train_on_batch(x, y)
+
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    model.set_weights(weights)
+    if optimizer == "kmp":
+        optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=64)
+    elif optimizer is keras.optimizers.SGD:
+        optimizer = keras.optimizers.SGD(0.01)
+    else:
+        optimizer = "sgd"  # Keras's default SGD: learning rate 0.01
+    kmp.compile(model, optimizer=optimizer, loss="mse")
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    assert not isinstance(
+        model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+    )
+    model.train_on_batch(x, y)
+    assert model.optimizer.last_step_finite.numpy()  # precondition: applied
+    # One scaling: the update matches float32 SGD up to float16 rounding
+    # (scaled twice it would be 32768x too large; unscaled twice, too small).
+    for got, want, before in zip(
+        model.get_weights(), reference.get_weights(), weights, strict=True
+    ):
+        step_got, step_want = got - before, want - before
+        np.testing.assert_allclose(
+            step_got, step_want, atol=2e-3 * np.abs(step_want).max() + 1e-6
+        )
+
+
+def test_skipped_step_changes_no_weight_no_slot_and_no_iteration():
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=256)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = regression_data(8)
+    model.train_on_batch(x, y)
+    before = snapshot(model, opt)
+    iterations = int(opt.iterations)
+    bad = x.copy()
+    bad[0, 0] = 1e30  # inf in float16
+    model.train_on_batch(bad, y)
+    after = snapshot(model, opt)
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    assert int(opt.iterations) == iterations
+    assert float(opt.loss_scale) == 128.0
+    assert int(opt.skipped_steps_total) == 1
+    assert not opt.last_step_finite.numpy()
+
+
+@pytest.mark.slow
+def test_fault_injection_with_inf_and_nan_steps_trains_like_a_clean_run():
+    x, y = regression_data(512, seed=1)
+    y = (y > 0).astype("float32")
+
+    def train(poison):
+        keras.utils.set_random_seed(0)
+        kmp.set_policy("mixed_float16")
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
+        opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), hysteresis=1)
+        kmp.compile(
+            model, optimizer=opt, loss="binary_crossentropy", metrics=["accuracy"]
+        )
+        xs = x.copy()
+        if poison:
+            xs[5 * 32, 0] = np.inf  # batch 5: inf
+            xs[9 * 32, 1] = np.nan  # batch 9: NaN
+        model.fit(xs, y, batch_size=32, epochs=6, shuffle=False, verbose=0)
+        assert all(np.isfinite(w).all() for w in model.get_weights())
+        return model.evaluate(x, y, verbose=0)[1], opt
+
+    clean_accuracy, clean_opt = train(False)
+    accuracy, opt = train(True)
+    # The two poisoned batches recur each epoch: 6 epochs x 2 skips.
+    assert int(opt.skipped_steps_total) == 12
+    assert int(opt.iterations) == int(clean_opt.iterations) - 12
+    assert accuracy > 0.9
+    assert abs(accuracy - clean_accuracy) < 0.03
+
+
+def test_gradients_below_float16_subnormals_train_only_with_scaling():
+    x, y = regression_data(32)
+
+    def tiny_mse(y_true, y_pred):
+        return 1e-9 * keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    def kernel_change(mode):
+        kmp.set_policy("mixed_float16")
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+        )
+        before = model.layers[0].kernel.numpy().copy()
+        opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1e6), mode=mode)
+        model.compile(optimizer=opt, loss=tiny_mse)
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        return np.abs(model.layers[0].kernel.numpy() - before).max()
+
+    assert kernel_change("none") == 0.0  # every gradient underflowed to 0
+    assert kernel_change("dynamic") > 1e-3
+
+
+def test_clipping_on_the_inner_optimizer_acts_on_unscaled_gradients():
+    kmp.set_policy("mixed_float16")
+    var = keras.Variable(np.zeros(3, "float32"))
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0, global_clipnorm=1.0), initial_scale=1024
+    )
+    scaled = tf.constant([30.0, 40.0, 0.0]) * 1024  # true gradient norm 50
+    assert bool(opt.apply([scaled], [var]))
+    np.testing.assert_allclose(var.numpy(), [-0.6, -0.8, 0.0], rtol=1e-6)
+
+
+def test_skipped_steps_do_not_advance_a_learning_rate_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5)
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(schedule), mode="dynamic")
+    var = keras.Variable(0.0)
+    opt.apply([tf.constant(np.inf)], [var])
+    opt.apply([tf.constant(np.nan)], [var])
+    assert int(opt.iterations) == 0
+    assert float(opt.inner_optimizer.learning_rate) == 1.0
+
+
+def test_bfloat16_policy_makes_the_wrapper_a_pass_through():
+    kmp.set_policy("mixed_bfloat16")
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    assert opt.mode == "none"
+    assert "pass-through" in repr(opt)
+    var = keras.Variable(1.0)
+    loss = tf.constant(3.0)
+    assert opt.scale_loss(loss) is loss
+    assert bool(opt.apply([tf.constant(2.0)], [var]))
+    assert float(var) == 0.0
+    assert float(opt.loss_scale) == 1.0
+
+
+def test_config_round_trip():
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.AdamW(3e-4, clipnorm=1.0),
+        initial_scale=512,
+        growth_interval=10,
+        hysteresis=2,
+        mode="dynamic",
+        max_scale=2.0**20,
+    )
+    clone = kmp.LossScaleOptimizer.from_config(opt.get_config())
+    assert clone.config == opt.config
+    assert isinstance(clone.inner_optimizer, keras.optimizers.AdamW)
+    assert clone.inner_optimizer.clipnorm == 1.0
+    assert clone.get_config() == opt.get_config()
+
+
+def _train_steps(model, x, y, steps):
+    for i in range(steps):
+        model.train_on_batch(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8])
+
+
+def test_save_and_load_restore_the_scale_and_every_counter(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), initial_scale=64, growth_interval=3, hysteresis=2
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = regression_data(64)
+    x[20, 0] = 1e30
+    _train_steps(model, x, y, 7)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    names = [
+        "loss_scale",
+        "good_steps",
+        "hysteresis_left",
+        "skipped_steps_total",
+        "consecutive_skips",
+        "last_step_finite",
+        "iterations",
+    ]
+    for name in names:
+        got = keras.ops.convert_to_numpy(getattr(loaded.optimizer, name))
+        assert got == keras.ops.convert_to_numpy(getattr(opt, name)), name
+    assert int(opt.skipped_steps_total) == 1  # precondition: a skip happened
+    assert loaded.optimizer.config == opt.config
+
+
+def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
+    x, y = regression_data(96)
+    x[50, 2] = 1e30  # one overflow after the checkpoint
+
+    def fresh():
+        keras.utils.set_random_seed(0)
+        kmp.set_policy("mixed_float16")
+        model = mlp()
+        opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), growth_interval=2)
+        model.compile(optimizer=opt, loss="mse")
+        return model, opt
+
+    model, opt = fresh()
+    _train_steps(model, x, y, 4)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+    saved = checkpoint.save(str(tmp_path / "ckpt"))
+    scale_at_checkpoint = float(opt.loss_scale)
+    skipped_at_checkpoint = int(opt.skipped_steps_total)
+    _train_steps(model, x[32:], y[32:], 8)
+
+    resumed, resumed_opt = fresh()
+    resumed.train_on_batch(x[:8], y[:8])  # build the optimizer's variables
+    tf.train.Checkpoint(model=resumed, optimizer=resumed_opt).restore(saved)
+    assert float(resumed_opt.loss_scale) == scale_at_checkpoint
+    _train_steps(resumed, x[32:], y[32:], 8)
+    assert int(resumed_opt.skipped_steps_total) == int(opt.skipped_steps_total)
+    assert int(opt.skipped_steps_total) > skipped_at_checkpoint  # x[50] overflowed
+    assert float(resumed_opt.loss_scale) == float(opt.loss_scale)
+    for a, b in zip(resumed.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: kmp.LossScaleOptimizer(kmp.LossScaleOptimizer("sgd")),
+            ValueError,
+            "already a loss-scale optimizer",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+            ),
+            ValueError,
+            "scale the loss twice",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer(object()),
+            TypeError,
+            "must be a keras.optimizers.Optimizer",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer("sgd", clipnorm=1.0),
+            ValueError,
+            "Set it on the inner optimizer",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer("sgd", initial_scale=0),
+            kmp.LossScaleError,
+            "positive finite",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer("sgd", initial_scale=float("nan")),
+            kmp.LossScaleError,
+            "positive finite",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer("sgd", backoff_factor=2.0),
+            kmp.LossScaleError,
+            "backoff_factor",
+        ),
+        (
+            lambda: kmp.LossScaleOptimizer(
+                "sgd", min_scale=8.0, max_scale=4.0, initial_scale=4.0
+            ),
+            kmp.LossScaleError,
+            "min_scale",
+        ),
+        (lambda: kmp.LossScaleOptimizer("sgd", bogus=1), TypeError, "bogus"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_integer_losses_are_rejected():
+    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
+    with pytest.raises(TypeError, match="floating-point"):
+        opt.scale_loss(tf.constant(3))
+
+
+def test_state_is_unavailable_before_build_with_a_clear_error():
+    with pytest.raises(ValueError, match="before the optimizer is built"):
+        kmp.LossScaleOptimizer("sgd").loss_scale  # noqa: B018
