@@ -49,6 +49,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `iterations`); then the scale moves as `kmp.LossScaleConfig` describes.
     Clipping set on the inner optimizer acts on the unscaled gradients.
 
+    With `gradient_accumulation_steps=N` on the inner optimizer, an overflow
+    anywhere in a window of N micro-batches skips the whole window, and the
+    scale's growth interval counts optimizer steps, not micro-batches.
+
     Under a policy that needs no loss scaling (bfloat16, float32) the
     wrapper is a pass-through (mode `'none'`), so scripts need no branches.
 
@@ -140,6 +144,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
         )
         self.config = config
+        # Gradient accumulation with loss scaling: an overflow anywhere in a
+        # window must skip the whole window, which the inner optimizer's own
+        # accumulation cannot do (it has no way to discard a window). kmp
+        # takes it over: it accumulates unscaled micro-batch gradients and
+        # hands the inner optimizer one mean gradient per window.
+        self.gradient_accumulation_steps_taken = None
+        if config.mode != ls.NONE and inner_optimizer.gradient_accumulation_steps:
+            if inner_optimizer.built:
+                raise ValueError(
+                    "The inner optimizer is already built with gradient "
+                    "accumulation; wrap it before its first use so that kmp can "
+                    "take the accumulation over."
+                )
+            self.gradient_accumulation_steps_taken = (
+                inner_optimizer.gradient_accumulation_steps
+            )
+            inner_optimizer.gradient_accumulation_steps = None
         # Set at trace time by the APIs that hand out *unscaled* gradients
         # (ScaledGradientTape.gradient, get_unscaled_gradients), read and
         # cleared by the next apply().
@@ -173,6 +194,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 name=name,
             )
             object.__setattr__(self, f"_{name}", variable)
+        if self.gradient_accumulation_steps_taken:
+            self._micro_step = self.add_variable(
+                shape=(),
+                dtype="int64",
+                initializer="zeros",
+                aggregation="none",
+                name="micro_step",
+            )
+            self._window_finite = self.add_variable(
+                shape=(),
+                dtype="bool",
+                initializer=keras.initializers.Constant(True),
+                aggregation="none",
+                name="window_finite",
+            )
+            self._accumulators = [
+                self.add_variable_from_reference(v, name="gradient_accumulator")
+                for v in var_list
+            ]
+            self._accumulator_of = {
+                id(v): a for v, a in zip(var_list, self._accumulators, strict=True)
+            }
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
         if self.mode == ls.NONE and policy_lib.get_policy().needs_loss_scaling:
@@ -308,6 +351,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not already_unscaled:
             grads = self._unscale(grads)
         finite = ls.all_finite(grads)
+        if self.gradient_accumulation_steps_taken:
+            return self._accumulate(grads, trainable_variables, finite)
+        return self._step(grads, trainable_variables, finite)
+
+    def _step(self, grads, trainable_variables, finite):
+        """One optimizer step: apply if finite, then move the scale."""
 
         def apply_inner():
             self.inner_optimizer.apply(grads, trainable_variables)
@@ -318,6 +367,48 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         for variable, value in zip(self._state().fields(), new.fields(), strict=True):
             variable.assign(value)
         return finite
+
+    def _accumulate(self, grads, trainable_variables, finite):
+        """One micro-batch of a gradient-accumulation window.
+
+        Finite micro-batch gradients (unscaled) are summed; at the window's
+        last micro-batch the mean is applied only if every micro-batch of the
+        window was finite, and the scale moves once: the growth interval and
+        the skip counters count optimizer steps (windows), not micro-batches.
+        """
+        steps = self.gradient_accumulation_steps_taken
+        variables = (
+            self._trainable_variables
+            if trainable_variables is None
+            else list(trainable_variables)
+        )
+        accumulators = [self._accumulator_of[id(v)] for v in variables]
+        for accumulator, g in zip(accumulators, grads, strict=True):
+            if g is not None:
+                g = tf.convert_to_tensor(g)
+                accumulator.assign_add(tf.where(finite, g, tf.zeros_like(g)))
+        window_finite = tf.logical_and(
+            tf.convert_to_tensor(self._window_finite), finite
+        )
+        micro_step = self._micro_step + 1
+        self._micro_step.assign(micro_step)
+
+        def close_window():
+            mean = [
+                None if g is None else a / steps
+                for a, g in zip(accumulators, grads, strict=True)
+            ]
+            applied = self._step(mean, variables, window_finite)
+            for accumulator in accumulators:
+                accumulator.assign(tf.zeros_like(accumulator))
+            self._window_finite.assign(True)
+            return applied
+
+        def continue_window():
+            self._window_finite.assign(window_finite)
+            return tf.constant(False)
+
+        return tf.cond(micro_step % steps == 0, close_window, continue_window)
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
@@ -334,9 +425,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_config(self) -> dict[str, Any]:
         config = self.config.get_config()
         config["name"] = self.name
-        config["inner_optimizer"] = keras.saving.serialize_keras_object(
-            self.inner_optimizer
-        )
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        if self.gradient_accumulation_steps_taken:
+            # Give the accumulation back to the inner optimizer's config:
+            # from_config takes it over again.
+            inner["config"]["gradient_accumulation_steps"] = (
+                self.gradient_accumulation_steps_taken
+            )
+        config["inner_optimizer"] = inner
         return config
 
     @classmethod

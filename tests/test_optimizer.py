@@ -332,3 +332,101 @@ def test_integer_losses_are_rejected():
 def test_state_is_unavailable_before_build_with_a_clear_error():
     with pytest.raises(ValueError, match="before the optimizer is built"):
         kmp.LossScaleOptimizer("sgd").loss_scale  # noqa: B018
+
+
+def accumulation_model(policy):
+    kmp.set_policy(policy)
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)]
+    )
+
+
+def test_gradient_accumulation_matches_keras_when_nothing_overflows():
+    x, y = regression_data(32)
+    keras.config.set_dtype_policy("float32")
+    reference = accumulation_model("float32")
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+        loss="mse",
+    )
+    model = accumulation_model("float32")
+    model.set_weights(reference.get_weights())
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+        mode="static",
+        initial_scale=1024,
+    )
+    model.compile(optimizer=opt, loss="mse")
+    _train_steps(reference, x, y, 4)
+    _train_steps(model, x, y, 4)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(opt.iterations) == 2  # optimizer steps, not micro-batches
+
+
+def test_an_overflow_anywhere_in_the_window_skips_the_whole_window():
+    x, y = regression_data(32)
+    model = accumulation_model("mixed_float16")
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+        initial_scale=64,
+        growth_interval=2,
+    )
+    model.compile(optimizer=opt, loss="mse")
+    initial = [w.numpy() for w in model.weights]
+    bad = x.copy()
+    bad[8, 0] = 1e30  # the second micro-batch of the first window
+    model.train_on_batch(bad[:8], y[:8])
+    model.train_on_batch(bad[8:16], y[8:16])
+    for before, w in zip(initial, model.weights, strict=True):
+        np.testing.assert_array_equal(before, w.numpy())
+    assert int(opt.iterations) == 0
+    assert int(opt.skipped_steps_total) == 1  # one window, not one micro-batch
+    assert float(opt.loss_scale) == 32.0
+    # The next windows are clean and applied; growth counts windows.
+    _train_steps(model, x[16:], y[16:], 2)
+    assert int(opt.iterations) == 1
+    assert int(opt.good_steps) == 1 and float(opt.loss_scale) == 32.0
+    assert not np.array_equal(initial[0], model.weights[0].numpy())
+
+
+def test_gradient_accumulation_survives_a_config_round_trip():
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, gradient_accumulation_steps=4), mode="dynamic"
+    )
+    clone = kmp.LossScaleOptimizer.from_config(opt.get_config())
+    assert clone.gradient_accumulation_steps_taken == 4
+    assert clone.inner_optimizer.gradient_accumulation_steps is None
+
+
+OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+    "Adam": lambda: keras.optimizers.Adam(1e-3),
+    "AdamW": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+    "RMSprop": lambda: keras.optimizers.RMSprop(1e-3),
+    "Lion": lambda: keras.optimizers.Lion(1e-4),
+    "Adagrad": lambda: keras.optimizers.Adagrad(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_skips_cleanly_and_applies_finite_steps(name):
+    """The same invariants for every inner optimizer."""
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(OPTIMIZERS[name](), initial_scale=128)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = regression_data(16)
+    model.train_on_batch(x[:8], y[:8])
+    assert opt.last_step_finite.numpy() and int(opt.iterations) == 1
+    before = snapshot(model, opt)
+    bad = x[8:].copy()
+    bad[0, 0] = np.nan
+    model.train_on_batch(bad, y[8:])
+    for b, a in zip(before, snapshot(model, opt), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.iterations) == 1 and float(opt.loss_scale) == 64.0
+    model.train_on_batch(x[8:], y[8:])
+    assert int(opt.iterations) == 2
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
