@@ -1,36 +1,38 @@
 """Does kmp's LossScaleOptimizer cost anything over Keras's own wrapper?
 
-Trains the same model under `mixed_float16` with each wrapper, interleaved
-(kmp, keras, kmp, keras, ...) so that machine drift hits both alike, and
-reports the median epoch time of each and their ratio.
+Trains the same model under `mixed_float16` with each wrapper, interleaved,
+and reports ms/step of each and their ratio (see _timing.py for how).
 
-Run: python benchmarks/loss_scale_overhead.py [--epochs 7] [--steps 60]
+Run: python benchmarks/loss_scale_overhead.py [--repeats 15] [--steps 30]
 """
 
 import argparse
 import json
 import os
-import platform
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
 import tensorflow as tf
+from _timing import interleaved
+from _timing import summary
 
 import kmp
 
 
-def build(wrapper):
+def mlp():
     keras.utils.set_random_seed(0)
-    kmp.set_policy("mixed_float16")
-    model = keras.Sequential(
+    return keras.Sequential(
         [keras.Input((512,))]
         + [keras.layers.Dense(512, activation="relu") for _ in range(3)]
         + [keras.layers.Dense(10)]
     )
+
+
+def build(wrapper):
+    kmp.set_policy("mixed_float16")
+    model = mlp()
     inner = keras.optimizers.Adam(1e-3)
     if wrapper == "kmp":
         optimizer = kmp.LossScaleOptimizer(inner)
@@ -43,50 +45,34 @@ def build(wrapper):
     return model
 
 
+def data(steps, batch_size):
+    rng = np.random.default_rng(0)
+    n = steps * batch_size
+    return rng.normal(size=(n, 512)).astype("float32"), rng.integers(0, 10, size=n)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args()
-
-    # The float16 CPU slow path (grappler's MatMul+BiasAdd fusion) would make
-    # both runs ~50x slower and drown the comparison; it is off for both.
+    # The float16 CPU slow path (grappler's MatMul+BiasAdd fusion, issue #5)
+    # would make both ~50x slower and drown the comparison: off for both.
     tf.config.optimizer.set_experimental_options({"remapping": False})
-    rng = np.random.default_rng(0)
-    n = args.steps * args.batch_size
-    x = rng.normal(size=(n, 512)).astype("float32")
-    y = rng.integers(0, 10, size=n)
-    models = {name: build(name) for name in ("kmp", "keras")}
-    times = {name: [] for name in models}
-    for model in models.values():  # warm-up: tracing, first epoch
-        model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
-    order = list(models)
-    for epoch in range(args.epochs):
-        # ABBA order: neither wrapper always runs first.
-        for name in order if epoch % 2 == 0 else order[::-1]:
-            model = models[name]
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    result = {
-        "benchmark": "loss_scale_overhead",
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "steps_per_epoch": args.steps,
-        "batch_size": args.batch_size,
-        "epochs_timed": args.epochs,
-        "median_epoch_s": {k: round(v, 4) for k, v in medians.items()},
-        "ms_per_step": {k: round(1000 * v / args.steps, 2) for k, v in medians.items()},
-        "kmp_over_keras": round(medians["kmp"] / medians["keras"], 4),
-        # Skipped steps are cheaper (no inner update): both must apply alike.
-        "applied_steps": {
-            name: int(model.optimizer.iterations) for name, model in models.items()
-        },
+    x, y = data(args.steps, args.batch_size)
+    models = {name: build(name) for name in ("keras", "kmp")}
+    runs = {
+        name: (lambda m=m: m.fit(x, y, batch_size=args.batch_size, verbose=0))
+        for name, m in models.items()
     }
+    result = {"benchmark": "loss_scale_overhead"}
+    result.update(summary(interleaved(runs, args.repeats), args.steps, "keras"))
+    # Skipped steps are cheaper (no inner update): both must apply alike.
+    result["applied_steps"] = {
+        n: int(m.optimizer.iterations) for n, m in models.items()
+    }
+    result["tensorflow"], result["keras"] = tf.__version__, keras.__version__
     print(json.dumps(result, indent=2))
 
 

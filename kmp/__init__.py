@@ -5,7 +5,10 @@
 <Policy "mixed_bfloat16": compute=bfloat16, variables=float32>
 """
 
+from kmp import callbacks
+from kmp import debug
 from kmp import hardware
+from kmp import telemetry
 from kmp.loss_scale import LossScaleConfig
 from kmp.loss_scale import LossScaleError
 from kmp.loss_scale import all_finite
@@ -43,8 +46,10 @@ __all__ = [
     "ScaledGradientTape",
     "__version__",
     "all_finite",
+    "callbacks",
     "clear_layer_policies",
     "compile",
+    "debug",
     "get_policy",
     "hardware",
     "layer_rules",
@@ -55,4 +60,5 @@ __all__ = [
     "register_policy",
     "set_layer_policy",
     "set_policy",
+    "telemetry",
 ]

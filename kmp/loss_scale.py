@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,11 +44,12 @@ def _check_positive_finite(name: str, value: Any) -> float:
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise LossScaleError(
-            f"{name} must be an integer >= 1. Received: {name}={value!r}."
+            f"{name} must be an integer >= 1. Received: {name}={value!r}. "
+            f"Use, for example, {name}=2000 for growth_interval or 1 for hysteresis."
         )
-    return value
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +101,8 @@ class LossScaleConfig:
             object.__setattr__(
                 self, name, _check_positive_finite(name, getattr(self, name))
             )
-        _check_count("growth_interval", self.growth_interval)
-        _check_count("hysteresis", self.hysteresis)
+        for name in ("growth_interval", "hysteresis"):
+            object.__setattr__(self, name, _check_count(name, getattr(self, name)))
         if not self.growth_factor > 1:
             raise LossScaleError(
                 "growth_factor must be greater than 1 (the scale grows by it). "
@@ -114,7 +116,8 @@ class LossScaleConfig:
         if self.min_scale > self.max_scale:
             raise LossScaleError(
                 f"min_scale ({self.min_scale}) is greater than max_scale "
-                f"({self.max_scale}). Expected min_scale <= max_scale."
+                f"({self.max_scale}). Expected min_scale <= max_scale; swap them "
+                "or widen the range."
             )
         if not self.min_scale <= self.initial_scale <= self.max_scale:
             raise LossScaleError(
@@ -276,9 +279,13 @@ def _values(t: Any) -> tf.Tensor:
 
 
 def finite_flags(tensors: Iterable[Any]) -> tf.Tensor:
-    """A bool vector: for each non-None tensor, whether all its values are finite."""
+    """A bool vector, one entry per tensor: whether all its values are finite.
+
+    `None` (no gradient) counts as finite, so entries line up with variables.
+    """
     checks = [
-        tf.reduce_all(tf.math.is_finite(_values(t))) for t in tensors if t is not None
+        tf.constant(True) if t is None else tf.reduce_all(tf.math.is_finite(_values(t)))
+        for t in tensors
     ]
     if not checks:
         return tf.ones((0,), tf.bool)

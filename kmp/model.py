@@ -8,6 +8,7 @@ import keras
 
 from kmp import policy as policy_lib
 from kmp import rules
+from kmp import telemetry
 from kmp.optimizer import LossScaleOptimizer
 
 
@@ -53,4 +54,5 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
     ):
         compile_kwargs["optimizer"] = LossScaleOptimizer(optimizer, mode="dynamic")
     model.compile(**compile_kwargs)
+    telemetry.attach(model)
     return model

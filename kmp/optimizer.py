@@ -28,14 +28,16 @@ _CLIPPING_ARGS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
-_STATE_NAMES = (
-    "loss_scale",
-    "good_steps",
-    "hysteresis_left",
-    "skipped_steps_total",
-    "consecutive_skips",
-    "last_step_finite",
-)
+# The optimizer's public name for each LossScaleState field.
+_PUBLIC_NAME = {
+    "scale": "loss_scale",
+    "good_steps": "good_steps",
+    "hysteresis_left": "hysteresis_left",
+    "skipped_total": "skipped_steps_total",
+    "consecutive_skips": "consecutive_skips",
+    "last_finite": "last_step_finite",
+}
+_DEFAULT = ls.LossScaleConfig()
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -44,7 +46,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     steps whose gradients overflow.
 
     Each step: the loss is multiplied by the scale, the gradients are divided
-    by it and checked for inf/NaN in one fused check; only finite steps reach
+    by it (in float32) and checked for inf/NaN, one flag per tensor reduced
+    to one decision, in the same pass; only finite steps reach
     the inner optimizer (a skipped step changes no weight, no slot and not
     `iterations`); then the scale moves as `kmp.LossScaleConfig` describes.
     Clipping set on the inner optimizer acts on the unscaled gradients.
@@ -83,13 +86,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer: Any,
-        initial_scale: float = 2.0**15,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        hysteresis: int = 1,
+        initial_scale: float = _DEFAULT.initial_scale,
+        growth_factor: float = _DEFAULT.growth_factor,
+        backoff_factor: float = _DEFAULT.backoff_factor,
+        growth_interval: int = _DEFAULT.growth_interval,
+        min_scale: float = _DEFAULT.min_scale,
+        max_scale: float = _DEFAULT.max_scale,
+        hysteresis: int = _DEFAULT.hysteresis,
         mode: str | None = None,
         name: str | None = None,
         **kwargs: Any,
@@ -107,7 +110,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         unknown = [k for k in kwargs if k not in _CLIPPING_ARGS]
         if unknown:
             raise TypeError(
-                f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}."
+                f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}. "
+                "It takes inner_optimizer, initial_scale, growth_factor, "
+                "backoff_factor, growth_interval, min_scale, max_scale, "
+                "hysteresis, mode and name; optimizer settings belong on the "
+                "inner optimizer."
             )
         if isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
@@ -161,10 +168,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 inner_optimizer.gradient_accumulation_steps
             )
             inner_optimizer.gradient_accumulation_steps = None
-        # Set at trace time by the APIs that hand out *unscaled* gradients
-        # (ScaledGradientTape.gradient, get_unscaled_gradients), read and
-        # cleared by the next apply().
-        self._next_grads_unscaled = False
+        # The loss-scale state, plus whether the last loss was finite. Created
+        # here, like Keras's own `iterations`, so that telemetry can read it
+        # (and the trainer's first trace can write it) before `build`.
+        values = ls.LossScaleState.initial_values(config)
+        for (field, dtype), value in zip(ls.LossScaleState.SPEC, values, strict=True):
+            self._add_scalar(_PUBLIC_NAME[field], dtype.name, value)
+        self._add_scalar("last_loss_finite", "bool", True)
+        # Whether the loss was finite at the last *skipped* step.
+        self._add_scalar("overflow_loss_finite", "bool", True)
+        # Whether the gradients the next apply() receives are already
+        # unscaled: set by the APIs that hand out unscaled gradients
+        # (ScaledGradientTape.gradient, get_unscaled_gradients), cleared by
+        # scale_loss and by apply. A variable, not Python state, so that it
+        # holds when gradients and apply live in different tf.functions.
+        self._add_scalar("grads_unscaled", "bool", False)
 
     def __repr__(self) -> str:
         inner = type(self.inner_optimizer).__name__
@@ -182,18 +200,30 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- state ----------------------------------------------------------
 
+    def _add_scalar(self, name: str, dtype: str, value: Any) -> None:
+        variable = self.add_variable(
+            shape=(),
+            dtype=dtype,
+            initializer=keras.initializers.Constant(value),
+            aggregation="none",
+            name=name,
+        )
+        # Bypass Keras's attribute tracking: add_variable already tracked it.
+        object.__setattr__(self, f"_{name}", variable)
+
     def build(self, var_list):
-        values = ls.LossScaleState.initial_values(self.config)
-        specs = ls.LossScaleState.SPEC
-        for name, value, (_, dtype) in zip(_STATE_NAMES, values, specs, strict=True):
-            variable = self.add_variable(
-                shape=(),
-                dtype=dtype.name,
-                initializer=keras.initializers.Constant(value),
-                aggregation="none",
-                name=name,
-            )
-            object.__setattr__(self, f"_{name}", variable)
+        # Per-variable finiteness of the last skipped step's gradients, in
+        # `var_list` order: which variables overflowed (kmp.debug reads it).
+        self._overflow_flags = self.add_variable(
+            shape=(len(var_list),),
+            dtype="bool",
+            initializer=keras.initializers.Constant(True),
+            aggregation="none",
+            name="overflow_flags",
+        )
+        self._variable_index = {id(v): i for i, v in enumerate(var_list)}
+        # Plain attribute (not tracked: these are the model's variables).
+        object.__setattr__(self, "_flag_variables", tuple(var_list))
         if self.gradient_accumulation_steps_taken:
             self._micro_step = self.add_variable(
                 shape=(),
@@ -227,19 +257,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
     def _state(self) -> ls.LossScaleState:
-        return ls.LossScaleState(*(getattr(self, f"_{n}") for n in _STATE_NAMES))
-
-    def _require_built(self, what: str) -> None:
-        if not self.built:
-            raise ValueError(
-                f"{what} is not available before the optimizer is built. It is "
-                "built on the first apply() (or call optimizer.build(variables))."
-            )
+        return ls.LossScaleState(
+            *(getattr(self, f"_{_PUBLIC_NAME[f]}") for f, _ in ls.LossScaleState.SPEC)
+        )
 
     @property
     def loss_scale(self) -> keras.Variable:
         """The current loss scale (a float32 variable; 1.0 in mode `'none'`)."""
-        self._require_built("loss_scale")
         return self._loss_scale
 
     @property
@@ -250,44 +274,60 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def skipped_steps_total(self) -> keras.Variable:
         """Steps skipped because of non-finite gradients, in total."""
-        self._require_built("skipped_steps_total")
         return self._skipped_steps_total
 
     @property
     def consecutive_skips(self) -> keras.Variable:
         """Steps skipped in a row, up to and including the last one."""
-        self._require_built("consecutive_skips")
         return self._consecutive_skips
 
     @property
     def good_steps(self) -> keras.Variable:
         """Finite steps since the scale last changed."""
-        self._require_built("good_steps")
         return self._good_steps
 
     @property
     def hysteresis_left(self) -> keras.Variable:
         """Overflows still tolerated before the next backoff."""
-        self._require_built("hysteresis_left")
         return self._hysteresis_left
 
     @property
     def last_step_finite(self) -> keras.Variable:
         """Whether the last step's gradients were finite (it was applied)."""
-        self._require_built("last_step_finite")
         return self._last_step_finite
+
+    @property
+    def last_loss_finite(self) -> keras.Variable:
+        """Whether the last loss (before scaling) was finite. False means the
+        forward pass itself overflowed, not the gradients."""
+        return self._last_loss_finite
+
+    @property
+    def overflow_flags(self) -> keras.Variable:
+        """Per trainable variable (in build order): False where the last
+        skipped step's gradient held inf/NaN. See `kmp.debug.last_overflow`."""
+        if not self.built:
+            raise ValueError(
+                "overflow_flags is created when the optimizer is built, on the "
+                "first apply() or optimizer.build(model.trainable_variables)."
+            )
+        return self._overflow_flags
 
     def _current_scale(self):
         if self.mode == ls.NONE:
             return None
-        return self._loss_scale if self.built else self.config.initial_scale
+        return self._loss_scale
+
+    def _record_loss(self, loss) -> None:
+        self._last_loss_finite.assign(tf.reduce_all(tf.math.is_finite(loss)))
 
     # --- scaling ----------------------------------------------------------
 
     def scale_loss(self, loss):
         """Returns `loss * scale` (Keras's trainer calls this inside `fit`)."""
-        _check_loss(loss)
-        self._next_grads_unscaled = False
+        _check_loss(loss, self.mode)
+        self._record_loss(loss)
+        self._grads_unscaled.assign(False)
         scale = self._current_scale()
         if scale is None:
             return loss
@@ -301,27 +341,39 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         return self.scale_loss(loss)
 
-    def _unscale(self, grads):
-        scale = self._current_scale()
-        if scale is None:
+    def _unscale(self, grads, variables=None, factor=None):
+        """Multiplies gradients by `factor` (default 1/scale), in float32.
+
+        Gradients of variables Keras overwrites with their "gradient"
+        (float8 scales and histories) are left alone, as Keras's wrapper does.
+        """
+        if self._current_scale() is None:
             return list(grads)
+        if factor is None:
+            factor = 1.0 / tf.convert_to_tensor(self._loss_scale)
+        if variables is None:
+            variables = [None] * len(grads)
 
-        def unscale(g):
-            if g is None:
-                return None
-            if isinstance(g, tf.IndexedSlices):
-                return tf.IndexedSlices(
-                    g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape
-                )
-            return g / tf.cast(scale, g.dtype)
+        def times(values):
+            return tf.cast(tf.cast(values, tf.float32) * factor, values.dtype)
 
-        return [unscale(g) for g in grads]
+        out = []
+        for g, v in zip(grads, variables, strict=True):
+            if g is None or getattr(v, "overwrite_with_gradient", False):
+                out.append(g)
+            elif isinstance(g, tf.IndexedSlices):
+                out.append(tf.IndexedSlices(times(g.values), g.indices, g.dense_shape))
+            else:
+                out.append(times(g))
+        return out
 
     def get_unscaled_gradients(self, grads):
         """tf.keras 2 spelling: returns `grads / scale`; pass the result to
         `apply_gradients` or `apply`, which will not unscale them again."""
-        self._next_grads_unscaled = True
-        return self._unscale(grads)
+        grads = self._unscale(list(grads))
+        if self._current_scale() is not None:
+            self._grads_unscaled.assign(True)
+        return grads
 
     # --- applying ----------------------------------------------------------
 
@@ -343,17 +395,51 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True
-        already_unscaled = self._next_grads_unscaled
-        self._next_grads_unscaled = False
         if self.mode == ls.NONE:
             self.inner_optimizer.apply(grads, trainable_variables)
             return tf.constant(True)
-        if not already_unscaled:
-            grads = self._unscale(grads)
-        finite = ls.all_finite(grads)
+        variables = (
+            self._trainable_variables
+            if trainable_variables is None
+            else list(trainable_variables)
+        )
+        factor = tf.where(
+            tf.convert_to_tensor(self._grads_unscaled),
+            tf.constant(1.0),
+            1.0 / tf.convert_to_tensor(self._loss_scale),
+        )
+        grads = self._unscale(grads, variables, factor)
+        self._grads_unscaled.assign(False)
+        flags = ls.finite_flags(grads)
+        finite = tf.reduce_all(flags)
+        self._record_overflow(flags, finite, trainable_variables)
         if self.gradient_accumulation_steps_taken:
             return self._accumulate(grads, trainable_variables, finite)
         return self._step(grads, trainable_variables, finite)
+
+    def _record_overflow(self, flags, finite, trainable_variables) -> None:
+        """Keeps the per-variable flags of the latest non-finite step."""
+        n = self._overflow_flags.shape[0]
+        if trainable_variables is None:
+            positions = list(range(n))
+        else:
+            positions = [self._variable_index[id(v)] for v in trainable_variables]
+        if positions == list(range(n)):
+            by_variable = flags
+        else:
+            by_variable = tf.tensor_scatter_nd_update(
+                tf.ones((n,), tf.bool), [[p] for p in positions], flags
+            )
+        self._overflow_flags.assign(
+            tf.where(finite, tf.convert_to_tensor(self._overflow_flags), by_variable)
+        )
+        self._overflow_loss_finite.assign(
+            tf.where(
+                finite,
+                tf.convert_to_tensor(self._overflow_loss_finite),
+                tf.convert_to_tensor(self._last_loss_finite),
+            )
+        )
 
     def _step(self, grads, trainable_variables, finite):
         """One optimizer step: apply if finite, then move the scale."""
@@ -444,11 +530,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner, **config)
 
 
-def _check_loss(loss) -> None:
+def _check_loss(loss, mode: str) -> None:
     dtype = getattr(loss, "dtype", None)
-    if dtype is not None and not tf.as_dtype(dtype).is_floating:
+    if dtype is None:
+        return
+    dtype = tf.as_dtype(dtype)
+    if not dtype.is_floating:
         raise TypeError(
             f"The loss must be a floating-point tensor to be scaled. Received a "
-            f"loss of dtype {tf.as_dtype(dtype).name}. Cast it first: "
-            "tf.cast(loss, 'float32')."
+            f"loss of dtype {dtype.name}. Cast it first: tf.cast(loss, 'float32')."
+        )
+    if mode != ls.NONE and dtype.size < 4:
+        raise TypeError(
+            f"The loss is {dtype.name}; a scaled {dtype.name} loss overflows "
+            "(float16 above 65504, so any loss scale of 2**16 or more). Expected a "
+            "float32 loss, as Keras's losses compute. Compute it in float32: "
+            "cast the predictions first, tf.cast(y_pred, 'float32')."
         )

@@ -95,13 +95,18 @@ class Policy:
             )
         compute = _standardize_dtype(self.compute_dtype, "compute_dtype")
         variable = _standardize_dtype(self.variable_dtype, "variable_dtype")
-        if _WIDTH[variable] < _WIDTH[compute] or (
-            variable != compute and _WIDTH[variable] == _WIDTH[compute]
-        ):
+        if _WIDTH[variable] < _WIDTH[compute]:
             raise PolicyError(
                 f"Policy {self.name!r}: variable_dtype={variable} is narrower "
                 f"than compute_dtype={compute}. Variables must be at least as "
                 "wide as the computation, or updates are lost to rounding. "
+                f"Use variable_dtype='float32' (or '{compute}')."
+            )
+        if variable != compute and _WIDTH[variable] == _WIDTH[compute]:
+            raise PolicyError(
+                f"Policy {self.name!r}: variable_dtype={variable} and "
+                f"compute_dtype={compute} are different 16-bit formats; "
+                "variables would be converted with rounding at every use. "
                 f"Use variable_dtype='float32' (or '{compute}')."
             )
         if variable != compute and variable != "float32":
@@ -122,8 +127,8 @@ class Policy:
         )
 
     @property
-    def is_mixed(self) -> bool:
-        """True when the compute dtype is a 16-bit float."""
+    def is_16bit(self) -> bool:
+        """True when the compute dtype is a 16-bit float (mixed or not)."""
         return _WIDTH[self.compute_dtype] == 16
 
     @property
@@ -249,7 +254,9 @@ def get(identifier: str | Policy | keras.DTypePolicy) -> Policy:
         if identifier.quantization_mode is not None:
             raise PolicyError(
                 f"{identifier!r} is a quantized Keras policy; kmp policies "
-                "describe float precision only."
+                "describe float precision only. Pass the float policy the model "
+                "computes in (such as 'mixed_bfloat16') and quantize with "
+                "model.quantize(...)."
             )
         by_keras_name = {p.keras_name: p for p in _BUILTIN}
         return by_keras_name.get(identifier.name) or Policy(
@@ -257,7 +264,14 @@ def get(identifier: str | Policy | keras.DTypePolicy) -> Policy:
         )
     if isinstance(identifier, str):
         if identifier == AUTO:
-            return get(hardware.resolve_auto().policy)
+            choice = hardware.resolve_auto()
+            if choice.policy not in _registry:
+                raise PolicyError(
+                    f"'auto' resolved to {choice.policy!r} ({choice.reason}), "
+                    f"which is not a policy. Valid names: "
+                    f"{', '.join(repr(n) for n in list_policies() if n != AUTO)}."
+                )
+            return get(choice.policy)
         with _lock:
             policy = _registry.get(identifier)
         if policy is None:

@@ -97,7 +97,8 @@ def _parse_selector(selector: Any) -> tuple[str, str | type]:
         if not issubclass(selector, keras.layers.Layer):
             raise TypeError(
                 f"A class selector must be a subclass of keras.layers.Layer. "
-                f"Received: {selector.__name__}."
+                f"Received: {selector.__name__}. Pass a layer class, or match "
+                "class names with 'class:<glob>'."
             )
         return "class", selector
     if isinstance(selector, str):
@@ -319,7 +320,7 @@ def _match_rank(
     rules: list[LayerRule], layer: keras.layers.Layer, path: str
 ) -> LayerRule | None:
     matched = [r for r in rules if r.matches(layer, path)]
-    if len({r.policy for r in matched}) > 1:
+    if len({(r.policy.compute_dtype, r.policy.variable_dtype) for r in matched}) > 1:
         described = ", ".join(f"{r.describe()} -> {r.policy.name}" for r in matched)
         raise RuleConflictError(
             f"Layer {path!r} ({type(layer).__name__}) is matched by rules of "
@@ -355,7 +356,7 @@ def _plan(model: keras.layers.Layer) -> list[_Decision]:
                 return rule.policy, rule.describe(), False
         if forced is not None:
             return forced[0], forced[1], False
-        default = inherited.is_mixed and _default_rule(layer, is_output)
+        default = inherited.is_16bit and _default_rule(layer, is_output)
         if default:
             return policy_lib.get(FLOAT32), default, False
         return inherited, ("policy" if inherited == base else "inherited"), False
@@ -376,7 +377,9 @@ def _plan(model: keras.layers.Layer) -> list[_Decision]:
             if isinstance(child, keras.Model):
                 # A nested model's layers inherit its decided policy; the
                 # model's own policy is left alone (it casts no inputs).
-                walk(child, path + "/", chosen, outputs | _output_layers(child), None)
+                # `outputs` already reaches into nested models that produce
+                # the top model's outputs (see _output_layers).
+                walk(child, path + "/", chosen, outputs, None)
                 continue
             decisions.append(_Decision(child, path, chosen, rule, explicit))
             scores_in_float32 = rule == _ATTENTION_SCORES and forced is None

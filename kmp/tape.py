@@ -78,7 +78,8 @@ class ScaledGradientTape(tf.GradientTape):
         Same arguments and return structure as `tf.GradientTape.gradient`.
         """
         for t in tf.nest.flatten(target):
-            _check_loss(t)
+            _check_loss(t, self._optimizer.mode)
+            self._optimizer._record_loss(t)
         scale = self._optimizer._current_scale()
         if scale is None:  # mode 'none': a plain tape
             return super().gradient(

@@ -47,3 +47,17 @@ def test_custom_loop_example_trains_without_skips():
     assert "loss scale" in result.stdout
     accuracy = float(re.search(r"train accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.8  # 4 classes: chance is 0.25
+
+
+@pytest.mark.slow
+def test_debug_nan_example_finds_the_layer():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "debug_nan.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "Training collapsed" in result.stdout
+    assert "weights all finite: True" in result.stdout
+    assert "found layer: amplifier" in result.stdout

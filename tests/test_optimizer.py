@@ -329,9 +329,11 @@ def test_integer_losses_are_rejected():
         opt.scale_loss(tf.constant(3))
 
 
-def test_state_is_unavailable_before_build_with_a_clear_error():
-    with pytest.raises(ValueError, match="before the optimizer is built"):
-        kmp.LossScaleOptimizer("sgd").loss_scale  # noqa: B018
+def test_scale_is_readable_before_build_and_flags_need_build():
+    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=8.0)
+    assert float(opt.loss_scale) == 8.0
+    with pytest.raises(ValueError, match="created when the optimizer is built"):
+        opt.overflow_flags  # noqa: B018
 
 
 def accumulation_model(policy):
@@ -430,3 +432,44 @@ def test_every_optimizer_skips_cleanly_and_applies_finite_steps(name):
     model.train_on_batch(x[8:], y[8:])
     assert int(opt.iterations) == 2
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def test_sparse_gradients_from_an_embedding_are_unscaled_and_applied():
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype="int32"),
+            keras.layers.Embedding(10, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=256)
+    model.compile(optimizer=opt, loss="mse")
+    embeddings = model.layers[0].embeddings
+    before = embeddings.numpy().copy()
+    x = np.array([[1, 2, 3], [1, 2, 3]])
+    model.train_on_batch(x, np.ones((2, 1)))
+    changed = np.abs(embeddings.numpy() - before).max(axis=1) > 0
+    assert changed.tolist() == [i in (1, 2, 3) for i in range(10)]
+    assert np.abs(embeddings.numpy() - before).max() < 1.0  # unscaled
+
+
+def test_float8_scale_variables_are_not_divided_by_the_loss_scale():
+    kmp.set_policy("mixed_float16")
+    x, y = regression_data(32)
+    model = mlp()
+    model.build((None, 4))
+    model.quantize("float8")
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=1024)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y * 0.01, batch_size=8, epochs=2, verbose=0)
+    scales = [w for w in model.weights if "scale" in w.path]
+    assert scales, "precondition: float8 layers have scale variables"
+    for w in scales:
+        assert np.abs(w.numpy()).min() > 1e-6, w.path  # not divided by 1024 x steps
+
+
+def test_unknown_arguments_list_the_valid_ones():
+    with pytest.raises(TypeError, match="It takes inner_optimizer, initial_scale"):
+        kmp.LossScaleOptimizer("sgd", growth=2)

@@ -1,6 +1,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmp
 from kmp import hardware
@@ -59,7 +60,7 @@ def test_policy_accepts_numpy_dtypes_and_canonicalises_them():
         ("int8", "float32", "not a floating-point dtype"),
         ("float32", "int32", "not a floating-point dtype"),
         ("float32", "float16", "narrower"),
-        ("bfloat16", "float16", "narrower"),
+        ("bfloat16", "float16", "different 16-bit formats"),
         ("float16", "float64", "cannot be expressed"),
         ("nonsense", "float32", "not a dtype"),
     ],
@@ -155,10 +156,14 @@ def test_register_policy_rejects_non_policies():
         kmp.register_policy("mixed_float16")
 
 
-def test_auto_resolves_from_this_machines_hardware():
-    expected = hardware.choose_policy(
-        hardware._gpu_compute_capabilities(), hardware.cpu_flags()
-    ).policy
+def test_auto_resolves_from_this_machines_cpu_flags():
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU, not the CPU flags, decides 'auto' on this machine")
+    # Read the flags independently of kmp.
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    fast = "amx_bf16" in flags or "avx512_bf16" in flags
+    expected = "mixed_bfloat16" if fast else "float32"
     assert kmp.set_policy("auto").name == expected
     assert kmp.get_policy().name == expected
 
@@ -167,6 +172,12 @@ def test_kmp_policy_environment_variable_overrides_auto(monkeypatch):
     monkeypatch.setenv("KMP_POLICY", "mixed_float16")
     assert kmp.set_policy("auto").name == "mixed_float16"
     assert "KMP_POLICY" in hardware.resolve_auto().reason
+
+
+def test_a_bad_kmp_policy_environment_variable_is_named_in_the_error(monkeypatch):
+    monkeypatch.setenv("KMP_POLICY", "mixed_fp16")
+    with pytest.raises(kmp.PolicyError, match=r"KMP_POLICY.*Valid names"):
+        kmp.set_policy("auto")
 
 
 @pytest.mark.parametrize(

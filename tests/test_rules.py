@@ -532,3 +532,26 @@ def test_rules_module_docstring_states_the_resolution_order():
         )
     ]
     assert order == sorted(order)
+
+
+def test_a_sigmoid_inside_a_nested_model_that_is_not_the_output_stays_16bit():
+    kmp.set_policy("mixed_float16")
+    gates = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, activation="sigmoid", name="gate")],
+        name="gates",
+    )
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1, name="head")(gates(inputs))
+    model = kmp.prepare(keras.Model(inputs, outputs))
+    report = kmp.precision_report(model)
+    assert report.row("gates/gate").compute_dtype == "float16"
+    assert report.row("head").compute_dtype == "float16"
+
+
+def test_rules_naming_different_policies_with_the_same_dtypes_agree():
+    kmp.register_policy(kmp.Policy("fp32", "float32", "float32"))
+    kmp.set_policy("mixed_float16")
+    kmp.set_layer_policy(keras.layers.Dense, "float32")
+    kmp.set_layer_policy("class:Den*", "fp32")
+    model = kmp.prepare(keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)]))
+    assert model.layers[0].compute_dtype == "float32"

@@ -92,6 +92,12 @@ def test_scale_changes_do_not_retrace_the_step():
     assert int(opt.skipped_steps_total) == 1
 
 
+def plain_gradients(model, x, y, scale=1.0):
+    with tf.GradientTape() as plain:
+        reference = loss_fn(model, x, y) * scale
+    return plain.gradient(reference, model.trainable_variables)
+
+
 def test_persistent_tape_gives_unscaled_gradients_twice():
     model, opt = setup_model(initial_scale=512)
     x, y = data()
@@ -101,8 +107,53 @@ def test_persistent_tape_gives_unscaled_gradients_twice():
     first = tape.gradient(loss, model.trainable_variables)
     second = tape.gradient(other, model.trainable_variables)
     del tape
-    for a, b in zip(first, second, strict=True):
-        np.testing.assert_allclose(2.0 * a.numpy(), b.numpy(), rtol=1e-6)
+    expected = plain_gradients(model, x, y)
+    for a, b, e in zip(first, second, expected, strict=True):
+        np.testing.assert_allclose(a, e, rtol=2e-2, atol=1e-4)
+        np.testing.assert_allclose(b, 2.0 * e.numpy(), rtol=2e-2, atol=2e-4)
+
+
+def test_gradients_from_a_tf_function_applied_eagerly_are_unscaled_once():
+    """The unscaled-gradients marker is runtime state, not trace-time state."""
+    kmp.set_policy("mixed_float16")
+    w = keras.Variable(np.zeros(2, "float32"))
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), mode="static", initial_scale=1024
+    )
+
+    @tf.function
+    def gradients():
+        with kmp.ScaledGradientTape(opt) as tape:
+            loss = tf.reduce_sum(w * tf.constant([1.0, 2.0]))
+        return tape.gradient(loss, [w])
+
+    for step in range(3):
+        before = w.numpy().copy()
+        assert bool(opt.apply(gradients(), [w]))
+        np.testing.assert_allclose(before - w.numpy(), [1.0, 2.0], err_msg=str(step))
+
+
+def test_float16_variables_are_unscaled_in_float32():
+    """Pure float16: dividing by a scale of 2**16 (inf in float16) still works."""
+    kmp.set_policy("float16")
+    w = keras.Variable(np.ones(3, "float16"), dtype="float16")
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0),
+        mode="static",
+        initial_scale=2.0**16,
+        max_scale=2.0**16,
+    )
+    scaled = tf.constant([1024.0, 2048.0, 4096.0], tf.float16)  # 2**16 x [1/64, ...]
+    assert bool(opt.apply([scaled], [w]))
+    np.testing.assert_array_equal(
+        w.numpy(), np.array([1 - 1 / 64, 1 - 1 / 32, 1 - 1 / 16], "float16")
+    )
+
+
+def test_sixteen_bit_losses_are_rejected_when_scaling():
+    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
+    with pytest.raises(TypeError, match="Expected a float32 loss"):
+        opt.scale_loss(tf.constant(1.0, tf.float16))
 
 
 def test_gradient_penalty_gradient_of_a_gradient():
@@ -158,6 +209,8 @@ def test_tape_under_bfloat16_is_a_plain_tape():
     with kmp.ScaledGradientTape(opt) as tape:
         loss = loss_fn(model, x, y)
     grads = tape.gradient(loss, model.trainable_variables)
+    for g, e in zip(grads, plain_gradients(model, x, y), strict=True):
+        np.testing.assert_array_equal(g, e)
     assert bool(opt.apply(grads, model.trainable_variables))
     assert float(opt.loss_scale) == 1.0
 

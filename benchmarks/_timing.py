@@ -1,0 +1,51 @@
+"""Interleaved timing shared by the benchmarks.
+
+These machines are shared: an epoch's time jumps between two modes (seen
+here: 13 ms and 22 ms per step for the same model) with no change in the
+work. Every variant is therefore run in turn, in alternating order, many
+times; the ratio of the *fastest* runs (the least disturbed ones, as
+`timeit` does) is the headline, and medians are reported beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict:
+    """Times each callable `repeats` times, ABC then CBA; one warm-up each."""
+    for run in runs.values():
+        run()
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def summary(times: dict[str, list[float]], steps: int, baseline: str) -> dict:
+    """ms/step (best and median) per variant, and ratios against `baseline`."""
+    best = {k: min(v) for k, v in times.items()}
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "repeats": len(next(iter(times.values()))),
+        "best_ms_per_step": {k: round(1000 * v / steps, 2) for k, v in best.items()},
+        "median_ms_per_step": {
+            k: round(1000 * v / steps, 2) for k, v in median.items()
+        },
+        f"best_ratio_vs_{baseline}": {
+            k: round(v / best[baseline], 4) for k, v in best.items()
+        },
+        f"median_ratio_vs_{baseline}": {
+            k: round(v / median[baseline], 4) for k, v in median.items()
+        },
+    }

@@ -1,0 +1,508 @@
+"""Keras callbacks that read kmp's loss-scale telemetry.
+
+The optimizer keeps the telemetry (scale, skip counters, overflow flags) as
+variables; these callbacks only read them, at batch ends, outside the
+compiled train step.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmp import debug
+from kmp import optimizer as optimizer_lib
+
+logger = logging.getLogger("kmp")
+
+PLOT_SIZE_INCHES = (8.0, 5.0)
+PLOT_DPI = 100
+CSV_FIELDS = (
+    "step",
+    "epoch",
+    "loss",
+    "loss_scale",
+    "skipped",
+    "skipped_steps_total",
+    "overflow_layers",
+)
+
+
+def _numpy(value: Any) -> Any:
+    return keras.ops.convert_to_numpy(value).item()
+
+
+def _kmp_optimizer(model) -> optimizer_lib.LossScaleOptimizer | None:
+    opt = getattr(model, "optimizer", None)
+    return opt if isinstance(opt, optimizer_lib.LossScaleOptimizer) else None
+
+
+def _check_writable_dir(path: str, what: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{what}={path!r} cannot be created: {e.strerror}. Expected a "
+            "writable directory; pass another path."
+        ) from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{what}={path!r} is not writable. Expected a writable directory; "
+            "pass another path or fix its permissions."
+        )
+
+
+def _check_writable_file(path: str, what: str) -> None:
+    _check_writable_dir(os.path.dirname(os.path.abspath(path)), f"the folder of {what}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{what}={path!r} exists and is not writable.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One row of the monitor's log."""
+
+    step: int
+    epoch: int
+    loss: float
+    loss_scale: float | None
+    skipped: int
+    skipped_steps_total: int | None
+    overflow_layers: tuple[str, ...] = ()
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Logs the loss scale, skipped steps and overflow sources while training.
+
+    Every `every_n_steps` train steps it records the loss (Keras's running
+    epoch mean), the loss scale, how many steps were skipped since the last
+    record, the total, and which layers had non-finite gradients. At a step
+    it only snapshots the optimizer's variables on the device (no sync); the
+    snapshots are read and written out at each epoch's end. Records go
+    to TensorBoard (`log_dir`, scalars under `kmp/`), a CSV file
+    (`csv_path`) and, at the end of training, a PNG plot of the loss and the
+    loss scale with skipped steps marked (`plot_path`; needs matplotlib, the
+    `plot` extra). They are also kept in `monitor.records`.
+
+    Without a `kmp.LossScaleOptimizer` it still logs the loss, and says once
+    that scale telemetry is unavailable.
+
+    Args:
+        log_dir: TensorBoard log directory, or None.
+        csv_path: CSV file to write, or None.
+        plot_path: PNG file to write at the end of training, or None.
+        every_n_steps: Record every N train steps (skips in between are
+            counted, not lost).
+
+    Raises:
+        ValueError: at construction, if a path cannot be written or
+            `every_n_steps` is not a positive integer.
+        ImportError: if `plot_path` is given and matplotlib is missing.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model = kmp.compile(model, loss="mse",
+    ...                     optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=1024))
+    >>> monitor = kmp.callbacks.LossScaleMonitor(every_n_steps=2)
+    >>> _ = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[monitor])
+    >>> [(r.step, r.loss_scale) for r in monitor.records]
+    [(2, 1024.0), (4, 1024.0)]
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike | None = None,
+        csv_path: str | os.PathLike | None = None,
+        plot_path: str | os.PathLike | None = None,
+        every_n_steps: int = 1,
+    ):
+        super().__init__()
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or (every_n_steps < 1)
+        ):
+            raise ValueError(
+                f"every_n_steps must be an integer >= 1. Received: {every_n_steps!r}."
+            )
+        self.log_dir = os.fspath(log_dir) if log_dir is not None else None
+        self.csv_path = os.fspath(csv_path) if csv_path is not None else None
+        self.plot_path = os.fspath(plot_path) if plot_path is not None else None
+        self.every_n_steps = every_n_steps
+        if self.log_dir is not None:
+            _check_writable_dir(self.log_dir, "log_dir")
+        if self.csv_path is not None:
+            _check_writable_file(self.csv_path, "csv_path")
+        if self.plot_path is not None:
+            _check_writable_file(self.plot_path, "plot_path")
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as e:
+                raise ImportError(
+                    "plot_path needs matplotlib: pip install 'kmp[plot]'."
+                ) from e
+        self.records: list[StepRecord] = []
+        self._writer = None
+        self._csv_file = None
+        self._csv = None
+        self._step = 0
+        self._epoch = 0
+        self._pending: list = []
+        self._last_total = 0
+        self._warned = False
+
+    def on_train_begin(self, logs=None):
+        opt = _kmp_optimizer(self.model)
+        if opt is None and not self._warned:
+            logger.warning(
+                "kmp.callbacks.LossScaleMonitor: the model's optimizer is %s, not a "
+                "kmp.LossScaleOptimizer; logging the loss only, scale telemetry "
+                "is unavailable.",
+                type(getattr(self.model, "optimizer", None)).__name__,
+            )
+            self._warned = True
+        self._last_total = _numpy(opt.skipped_steps_total) if opt is not None else 0
+        self._pending = []
+        if self.log_dir is not None and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self.csv_path is not None and self._csv_file is None:
+            new = not os.path.exists(self.csv_path) or not os.path.getsize(
+                self.csv_path
+            )
+            self._csv_file = open(self.csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+            self._csv = csv.writer(self._csv_file)
+            if new:
+                self._csv.writerow(CSV_FIELDS)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step % self.every_n_steps:
+            return
+        # Snapshot, don't read: tf.identity copies the values on the device
+        # without waiting for them; they are read at the epoch's end.
+        loss = (logs or {}).get("loss", float("nan"))
+        opt = _kmp_optimizer(self.model)
+        state = None
+        if opt is not None:
+            state = tuple(
+                tf.identity(v)
+                for v in (
+                    opt.loss_scale,
+                    opt.skipped_steps_total,
+                    opt.overflow_flags,
+                    opt._overflow_loss_finite,
+                )
+            )
+        self._pending.append((self._step, self._epoch, loss, state))
+
+    def _flush(self) -> None:
+        """Reads the epoch's snapshots in bulk and writes them out."""
+        if not self._pending:
+            return
+        steps = [p[0] for p in self._pending]
+        epochs = [p[1] for p in self._pending]
+        losses = keras.ops.convert_to_numpy(
+            tf.stack([tf.cast(p[2], tf.float32) for p in self._pending])
+        )
+        if self._pending[0][3] is None:
+            new = [
+                StepRecord(st, ep, float(lo), None, 0, None)
+                for st, ep, lo in zip(steps, epochs, losses, strict=True)
+            ]
+        else:
+            scales, totals, flags, loss_finite = (
+                keras.ops.convert_to_numpy(tf.stack([p[3][i] for p in self._pending]))
+                for i in range(4)
+            )
+            new = []
+            for i, total in enumerate(totals.tolist()):
+                skipped = total - self._last_total
+                self._last_total = total
+                layers = (
+                    debug.overflow_sources(
+                        self.model, flags[i], bool(loss_finite[i])
+                    ).layers
+                    if skipped
+                    else ()
+                )
+                new.append(
+                    StepRecord(
+                        steps[i],
+                        epochs[i],
+                        float(losses[i]),
+                        float(scales[i]),
+                        skipped,
+                        total,
+                        layers,
+                    )
+                )
+        self._pending = []
+        self.records.extend(new)
+        if self._writer is not None:
+            self._write_summaries(new)
+        if self._csv is not None:
+            for r in new:
+                self._csv.writerow(
+                    [
+                        r.step,
+                        r.epoch,
+                        r.loss,
+                        "" if r.loss_scale is None else r.loss_scale,
+                        r.skipped,
+                        "" if r.skipped_steps_total is None else r.skipped_steps_total,
+                        ";".join(r.overflow_layers),
+                    ]
+                )
+
+    def _write_summaries(self, records: list[StepRecord]) -> None:
+        columns = {"kmp/loss": [r.loss for r in records]}
+        if records[0].loss_scale is not None:
+            columns["kmp/loss_scale"] = [r.loss_scale for r in records]
+            columns["kmp/skipped_steps"] = [float(r.skipped) for r in records]
+            columns["kmp/skipped_steps_total"] = [
+                float(r.skipped_steps_total) for r in records
+            ]
+        # One raw Summary proto per step (TensorBoard reads `simple_value`
+        # scalars): one op per record instead of one per scalar.
+        with self._writer.as_default():
+            for i, r in enumerate(records):
+                summary = tf.compat.v1.Summary(
+                    value=[
+                        tf.compat.v1.Summary.Value(tag=tag, simple_value=values[i])
+                        for tag, values in columns.items()
+                    ]
+                )
+                tf.summary.experimental.write_raw_pb(
+                    summary.SerializeToString(), step=r.step
+                )
+                if r.overflow_layers:
+                    tf.summary.text(
+                        "kmp/overflow_layers", ", ".join(r.overflow_layers), step=r.step
+                    )
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+        if self._writer is not None:
+            self._writer.flush()
+        if self._csv_file is not None:
+            self._csv_file.flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()  # a run stopped mid-epoch
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = self._csv = None
+        if self.plot_path is not None:
+            plot_records(self.records, self.plot_path)
+
+
+def plot_records(records: list[StepRecord], path: str) -> None:
+    """Writes a PNG of the loss and the loss scale over steps, skipped steps
+    marked, 800x500 pixels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=PLOT_SIZE_INCHES, dpi=PLOT_DPI)
+    FigureCanvasAgg(fig)
+    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True)
+    steps = [r.step for r in records]
+    skipped = [r for r in records if r.skipped]
+    loss_ax.plot(steps, [r.loss for r in records], color="tab:blue")
+    loss_ax.set_ylabel("loss (epoch mean so far)")
+    loss_ax.set_title("kmp: loss and loss scale")
+    scaled = [r for r in records if r.loss_scale is not None]
+    if scaled:
+        scale_ax.step(
+            [r.step for r in scaled],
+            [r.loss_scale for r in scaled],
+            where="post",
+            color="tab:green",
+        )
+        scale_ax.set_yscale("log", base=2)
+    else:
+        scale_ax.text(
+            0.5,
+            0.5,
+            "no loss scale (not a kmp.LossScaleOptimizer)",
+            ha="center",
+            va="center",
+            transform=scale_ax.transAxes,
+        )
+    if skipped:
+        scale_ax.scatter(
+            [r.step for r in skipped],
+            [r.loss_scale for r in skipped],
+            marker="x",
+            color="tab:red",
+            label="skipped steps",
+            zorder=3,
+        )
+        scale_ax.legend(loc="best")
+    scale_ax.set_ylabel("loss scale")
+    scale_ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+
+
+class TrainingCollapsedError(RuntimeError):
+    """Training stalled: the loss scale sits at its floor and steps keep
+    being skipped. `cause` is `'forward'` or `'gradient'`; `layers` names the
+    layers involved; `report` is the full diagnosis text."""
+
+    def __init__(self, report: str, cause: str, layers: tuple[str, ...]):
+        super().__init__(report)
+        self.report = report
+        self.cause = cause
+        self.layers = layers
+
+
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops a run whose loss scale has collapsed, and says why.
+
+    When the scale sits at its floor (or is static) and `max_consecutive_skips`
+    steps in a row were skipped, nothing is training. The guard tells the two
+    causes apart: non-finite *forward* values (the loss itself is inf/NaN: a
+    layer overflows) or *gradient* overflow at every scale, and names the
+    layers: for gradients, from the optimizer's per-variable record; for the
+    forward pass, by running `kmp.debug.find_nonfinite` on `probe` (a batch
+    `x` or `(x, y)`) when given.
+
+    With another optimizer it watches the loss alone: a non-finite loss
+    for `max_consecutive_skips` batches counts as a forward collapse.
+
+    Args:
+        max_consecutive_skips: Skipped steps in a row, at the floor, before
+            acting.
+        on_collapse: `'raise'` (a `TrainingCollapsedError`), `'stop'` (end
+            training, log the diagnosis) or `'warn'` (log it once, go on).
+        probe: Optional batch used to find the layer behind a forward
+            overflow.
+
+    Example:
+
+    >>> guard = kmp.callbacks.NonFiniteGuard(max_consecutive_skips=4)
+    >>> guard.on_collapse
+    'raise'
+    """
+
+    def __init__(
+        self,
+        max_consecutive_skips: int = 10,
+        on_collapse: str = "raise",
+        probe: Any = None,
+    ):
+        super().__init__()
+        if (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                "max_consecutive_skips must be an integer >= 1. Received: "
+                f"{max_consecutive_skips!r}."
+            )
+        if on_collapse not in ("raise", "stop", "warn"):
+            raise ValueError(
+                f"on_collapse must be 'raise', 'stop' or 'warn'. Received: "
+                f"{on_collapse!r}."
+            )
+        self.max_consecutive_skips = max_consecutive_skips
+        self.on_collapse = on_collapse
+        self.probe = probe
+        self.diagnosis: TrainingCollapsedError | None = None
+        self._nonfinite_losses = 0
+
+    def _collapsed(self, logs) -> str | None:
+        opt = _kmp_optimizer(self.model)
+        if opt is None:
+            loss = (logs or {}).get("loss")
+            finite = loss is None or tf.math.is_finite(float(loss)).numpy()
+            self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
+            if self._nonfinite_losses >= self.max_consecutive_skips:
+                return "forward"
+            return None
+        if opt.mode == "none":
+            finite = _numpy(opt.last_loss_finite)
+            self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
+            return (
+                "forward"
+                if self._nonfinite_losses >= self.max_consecutive_skips
+                else None
+            )
+        if _numpy(opt.consecutive_skips) < self.max_consecutive_skips:
+            return None
+        at_floor = (
+            opt.mode == "static" or _numpy(opt.loss_scale) <= opt.config.min_scale
+        )
+        if not at_floor:
+            return None
+        return "forward" if not _numpy(opt.last_loss_finite) else "gradient"
+
+    def _diagnose(self, cause: str) -> TrainingCollapsedError:
+        opt = _kmp_optimizer(self.model)
+        head = (
+            f"Training collapsed: {self.max_consecutive_skips} steps in a row were "
+            "skipped"
+            + (
+                f" with the loss scale at its floor ({opt.config.min_scale:g})"
+                if opt
+                else ""
+            )
+            + "."
+        )
+        if cause == "gradient":
+            sources = debug.last_overflow(self.model)
+            layers = sources.layers
+            body = (
+                "Cause: gradient overflow at every scale: the loss is finite, but "
+                f"gradients of these layers are inf/NaN: {', '.join(layers)}. "
+                "Fix: compute them in float32 (kmp.set_layer_policy('name:<layer>', "
+                "'float32') then kmp.prepare(model)), or lower the learning rate / "
+                "clip the gradients if values are exploding."
+            )
+            return TrainingCollapsedError(f"{head}\n{body}", cause, layers)
+        layers: tuple[str, ...] = ()
+        body = "Cause: non-finite forward values: the loss itself is inf/NaN."
+        if self.probe is not None:
+            x = self.probe[0] if isinstance(self.probe, tuple) else self.probe
+            report = debug.find_nonfinite(self.model, x)
+            if report.found:
+                layers = (report.layer,)
+                body += f"\n{report}"
+            else:
+                body += " The probe batch ran finite; the failing batch differs."
+        else:
+            body += (
+                " Pass probe=x_batch to NonFiniteGuard, or run "
+                "kmp.debug.find_nonfinite(model, x_batch), to find the layer."
+            )
+        return TrainingCollapsedError(f"{head}\n{body}", cause, layers)
+
+    def on_train_batch_end(self, batch, logs=None):
+        cause = self._collapsed(logs)
+        if cause is None:
+            return
+        if self.diagnosis is not None and self.on_collapse == "warn":
+            return  # said once
+        self.diagnosis = self._diagnose(cause)
+        if self.on_collapse == "raise":
+            raise self.diagnosis
+        logger.warning("%s", self.diagnosis.report)
+        if self.on_collapse == "stop":
+            self.model.stop_training = True

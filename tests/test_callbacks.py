@@ -1,0 +1,200 @@
+import csv
+import logging
+import struct
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_debug import blown_model
+from test_debug import data
+
+import kmp
+from kmp.callbacks import LossScaleMonitor
+from kmp.callbacks import NonFiniteGuard
+from kmp.callbacks import TrainingCollapsedError
+
+
+def test_an_overflowing_layer_is_seen_attributed_found_and_stopped():
+    """The whole story on one model whose `blown` layer overflows float16."""
+    model = blown_model(1e6)
+    x, y = data(256)
+    guard = NonFiniteGuard(max_consecutive_skips=3, probe=(x[:32], y[:32]))
+    with pytest.raises(TrainingCollapsedError) as info:
+        model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[guard])
+    error = info.value
+    # NonFiniteGuard: stopped, with the cause and the layer.
+    assert error.cause == "forward"
+    assert error.layers == ("blown",)
+    assert "non-finite forward values" in str(error)
+    assert "'blown'" in str(error)
+    # Every step was skipped; the guard acted when the scale hit its floor
+    # (1024 -> 1: 10 backoffs), in epoch 2. History has epoch 1's telemetry.
+    opt = model.optimizer
+    assert float(opt.loss_scale) == 1.0
+    assert int(opt.skipped_steps_total) == 10
+    assert model.history.history["skipped_steps"] == [8.0]
+    assert model.history.history["loss_scale"] == [4.0]
+    # Attribution: a forward overflow, which involves `blown`.
+    sources = kmp.debug.last_overflow(model)
+    assert sources.forward and "blown" in sources.layers
+    # find_nonfinite names the layer.
+    assert kmp.debug.find_nonfinite(model, x[:32]).layer == "blown"
+    # No weight became NaN.
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def test_history_holds_the_scale_and_skips_per_epoch():
+    model = blown_model(1e6)
+    x, y = data(128)
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    h = history.history
+    assert h["skipped_steps"] == [4.0, 4.0]  # every step of each epoch
+    assert h["skipped_steps_total"] == [4.0, 8.0]
+    assert h["loss_scale"] == [1024.0 / 2**4, 1024.0 / 2**8]
+
+
+def test_gradient_overflow_at_every_scale_is_diagnosed_with_its_layers():
+    model = blown_model(1e4)
+    x, y = data(256)
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError) as info:
+        model.fit(x, y, batch_size=32, epochs=10, verbose=0, callbacks=[guard])
+    assert info.value.cause == "gradient"
+    assert set(info.value.layers) == {"hidden", "out"}
+    assert "gradient overflow at every scale" in str(info.value)
+
+
+def test_stop_ends_training_and_warn_goes_on(caplog):
+    x, y = data(256)
+    # The collapse comes at step 10, in epoch 2 of 3.
+    for mode, expect_epochs in (("stop", 2), ("warn", 3)):
+        model = blown_model(1e6)
+        guard = NonFiniteGuard(max_consecutive_skips=2, on_collapse=mode)
+        with caplog.at_level(logging.WARNING, logger="kmp"):
+            history = model.fit(
+                x, y, batch_size=32, epochs=3, verbose=0, callbacks=[guard]
+            )
+        assert len(history.history["loss"]) == expect_epochs, mode
+        assert guard.diagnosis is not None and guard.diagnosis.cause == "forward"
+    assert sum("Training collapsed" in r.message for r in caplog.records) == 2
+
+
+def test_guard_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="on_collapse"):
+        NonFiniteGuard(on_collapse="explode")
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        NonFiniteGuard(max_consecutive_skips=0)
+
+
+def test_guard_without_kmp_optimizer_watches_the_loss():
+    kmp.set_policy("float32")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.full((64, 2), np.nan, "float32")
+    with pytest.raises(TrainingCollapsedError, match="forward"):
+        model.fit(
+            x,
+            np.ones((64, 1)),
+            batch_size=8,
+            verbose=0,
+            callbacks=[NonFiniteGuard(max_consecutive_skips=2)],
+        )
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        header = f.read(24)
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_monitor_writes_tensorboard_csv_and_png(tmp_path):
+    model = blown_model(30.0)  # overflows early at 1024, then settles
+    x, y = data(256)
+    monitor = LossScaleMonitor(
+        log_dir=tmp_path / "tb",
+        csv_path=tmp_path / "scale.csv",
+        plot_path=tmp_path / "scale.png",
+    )
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor])
+    assert len(monitor.records) == 16
+    skipped = [r for r in monitor.records if r.skipped]
+    assert skipped, "precondition: some steps were skipped"
+    assert all(r.overflow_layers for r in skipped)
+
+    # TensorBoard: read the event file back with TensorBoard's own reader.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+    }
+    # ... and with TensorFlow's raw event iterator, for the text summaries.
+    texts = [
+        value.tag
+        for event_file in (tmp_path / "tb").glob("events.out.tfevents.*")
+        for event in tf.compat.v1.train.summary_iterator(str(event_file))
+        for value in event.summary.value
+    ]
+    assert "kmp/overflow_layers" in texts
+    assert [s for s, _ in scalars["kmp/loss_scale"]] == list(range(1, 17))
+    assert [v for _, v in scalars["kmp/loss_scale"]] == [
+        r.loss_scale for r in monitor.records
+    ]
+    assert sum(v for _, v in scalars["kmp/skipped_steps"]) == len(skipped)
+
+    # CSV
+    with open(tmp_path / "scale.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 16
+    assert [float(r["loss_scale"]) for r in rows] == [
+        r.loss_scale for r in monitor.records
+    ]
+    assert {r["overflow_layers"] for r in rows if r["skipped"] != "0"} != {""}
+
+    # PNG
+    assert png_size(tmp_path / "scale.png") == (800, 500)
+
+
+def test_monitor_every_n_steps_counts_the_skips_in_between():
+    model = blown_model(1e6)
+    x, y = data(256)
+    monitor = LossScaleMonitor(every_n_steps=4)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    assert [r.step for r in monitor.records] == [4, 8]
+    assert [r.skipped for r in monitor.records] == [4, 4]
+
+
+def test_monitor_without_kmp_optimizer_logs_loss_and_says_so_once(caplog):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = LossScaleMonitor()
+    with caplog.at_level(logging.WARNING, logger="kmp"):
+        for _ in range(2):
+            model.fit(
+                np.ones((8, 2)),
+                np.ones((8, 1)),
+                batch_size=4,
+                verbose=0,
+                callbacks=[monitor],
+            )
+    assert (
+        sum("scale telemetry is unavailable" in r.message for r in caplog.records) == 1
+    )
+    assert len(monitor.records) == 4
+    assert all(r.loss_scale is None and np.isfinite(r.loss) for r in monitor.records)
+
+
+def test_monitor_rejects_unwritable_paths_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="cannot be created"):
+        LossScaleMonitor(log_dir=blocker / "tb")
+    with pytest.raises(ValueError, match="cannot be created"):
+        LossScaleMonitor(csv_path=blocker / "sub" / "x.csv")
+    with pytest.raises(ValueError, match="every_n_steps"):
+        LossScaleMonitor(every_n_steps=0)
+    assert blocker.read_text() == "not a folder"  # nothing touched
