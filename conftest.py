@@ -4,13 +4,21 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras
-import numpy as np
-import pytest
 import tensorflow as tf
 
-import kmp
-from kmp import policy as policy_lib
+# Two logical CPUs, so that MirroredStrategy tests have two replicas. This
+# must happen before TensorFlow's runtime starts (its first op).
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
+)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp import policy as policy_lib  # noqa: E402
 
 # float32 references must be float32: no TF32 on GPUs that have it.
 tf.config.experimental.enable_tensor_float_32_execution(False)

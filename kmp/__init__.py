@@ -7,6 +7,7 @@
 
 from kmp import callbacks
 from kmp import debug
+from kmp import distribute
 from kmp import hardware
 from kmp import telemetry
 from kmp.loss_scale import LossScaleConfig
@@ -50,6 +51,7 @@ __all__ = [
     "clear_layer_policies",
     "compile",
     "debug",
+    "distribute",
     "get_policy",
     "hardware",
     "layer_rules",

@@ -205,7 +205,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(),
             dtype=dtype,
             initializer=keras.initializers.Constant(value),
-            aggregation="none",
+            # Every replica computes the same value (decisions are agreed on
+            # across replicas first), so the first replica's write stands.
+            aggregation="only_first_replica",
             name=name,
         )
         # Bypass Keras's attribute tracking: add_variable already tracked it.
@@ -218,13 +220,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(len(var_list),),
             dtype="bool",
             initializer=keras.initializers.Constant(True),
-            aggregation="none",
+            aggregation="only_first_replica",
             name="overflow_flags",
         )
         self._variable_index = {id(v): i for i, v in enumerate(var_list)}
         # Plain attribute (not tracked: these are the model's variables).
         object.__setattr__(self, "_flag_variables", tuple(var_list))
         if self.gradient_accumulation_steps_taken:
+            strategy = tf.distribute.get_strategy()
+            if strategy.num_replicas_in_sync > 1:
+                raise NotImplementedError(
+                    "Gradient accumulation with loss scaling is not supported "
+                    f"under {type(strategy).__name__} yet (kmp would have to "
+                    "agree on whole windows across replicas). Use a larger "
+                    "global batch instead of gradient_accumulation_steps, or "
+                    "train on one device."
+                )
             self._micro_step = self.add_variable(
                 shape=(),
                 dtype="int64",
@@ -319,7 +330,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._loss_scale
 
     def _record_loss(self, loss) -> None:
-        self._last_loss_finite.assign(tf.reduce_all(tf.math.is_finite(loss)))
+        self._last_loss_finite.assign(_agree(tf.reduce_all(tf.math.is_finite(loss))))
 
     # --- scaling ----------------------------------------------------------
 
@@ -410,26 +421,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         grads = self._unscale(grads, variables, factor)
         self._grads_unscaled.assign(False)
-        flags = ls.finite_flags(grads)
+        # One flag per gradient, agreed on across replicas: a non-finite value
+        # on any replica makes every replica skip the step.
+        flags = _agree(ls.finite_flags(grads))
         finite = tf.reduce_all(flags)
-        self._record_overflow(flags, finite, trainable_variables)
+        by_variable = self._flags_by_variable(flags, variables)
         if self.gradient_accumulation_steps_taken:
+            self._record_overflow(by_variable, finite)
             return self._accumulate(grads, trainable_variables, finite)
-        return self._step(grads, trainable_variables, finite)
+        return self._step(grads, variables, finite, by_variable)
 
-    def _record_overflow(self, flags, finite, trainable_variables) -> None:
-        """Keeps the per-variable flags of the latest non-finite step."""
+    def _flags_by_variable(self, flags, variables):
+        """Places per-gradient flags at their variables' build positions."""
         n = self._overflow_flags.shape[0]
-        if trainable_variables is None:
-            positions = list(range(n))
-        else:
-            positions = [self._variable_index[id(v)] for v in trainable_variables]
+        positions = [self._variable_index[id(v)] for v in variables]
         if positions == list(range(n)):
-            by_variable = flags
-        else:
-            by_variable = tf.tensor_scatter_nd_update(
-                tf.ones((n,), tf.bool), [[p] for p in positions], flags
-            )
+            return flags
+        return tf.tensor_scatter_nd_update(
+            tf.ones((n,), tf.bool), [[p] for p in positions], flags
+        )
+
+    def _record_overflow(self, by_variable, finite) -> None:
+        """Keeps the per-variable flags of the latest non-finite step."""
         self._overflow_flags.assign(
             tf.where(finite, tf.convert_to_tensor(self._overflow_flags), by_variable)
         )
@@ -441,18 +454,58 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         )
 
-    def _step(self, grads, trainable_variables, finite):
-        """One optimizer step: apply if finite, then move the scale."""
-
-        def apply_inner():
-            self.inner_optimizer.apply(grads, trainable_variables)
-            return tf.constant(True)
-
-        tf.cond(finite, apply_inner, lambda: tf.constant(False))
+    def _update_state(self, finite, by_variable=None) -> None:
+        """The one place the loss-scale state moves (`next_state`)."""
+        if by_variable is not None:
+            self._record_overflow(by_variable, finite)
         new = ls.next_state(self.config, self._state(), finite)
         for variable, value in zip(self._state().fields(), new.fields(), strict=True):
             variable.assign(value)
-        return finite
+
+    def _step(self, grads, variables, finite, by_variable=None):
+        """One optimizer step: apply if finite, then move the scale.
+
+        Under a tf.distribute strategy that needs merge calls (Mirrored),
+        the inner optimizer's apply (which all-reduces the gradients) cannot
+        sit inside a condition in replica context; as Keras's own wrapper
+        does, the condition and the state update then run once, in
+        cross-replica context, and each replica applies inside it.
+        """
+        context = tf.distribute.get_replica_context()
+        needs_merge = (
+            context is not None
+            and tf.distribute.has_strategy()
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        )
+        if not needs_merge:
+
+            def apply_inner():
+                self.inner_optimizer.apply(grads, variables)
+                return tf.constant(True)
+
+            tf.cond(finite, apply_inner, lambda: tf.constant(False))
+            self._update_state(finite, by_variable)
+            return finite
+
+        def cross_replica(distribution, grads, variables, finite, by_variable):
+            # Every replica agreed on `finite`: take the first replica's.
+            finite = distribution.experimental_local_results(finite)[0]
+            if by_variable is not None:
+                by_variable = distribution.experimental_local_results(by_variable)[0]
+
+            def apply_inner():
+                distribution.extended.call_for_each_replica(
+                    self.inner_optimizer.apply, args=(grads, variables)
+                )
+                return tf.constant(True)
+
+            tf.cond(finite, apply_inner, lambda: tf.constant(False))
+            self._update_state(finite, by_variable)
+            return finite
+
+        return context.merge_call(
+            cross_replica, args=(grads, variables, finite, by_variable)
+        )
 
     def _accumulate(self, grads, trainable_variables, finite):
         """One micro-batch of a gradient-accumulation window.
@@ -528,6 +581,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _agree(flags):
+    """ANDs boolean flags across the replicas of a tf.distribute strategy (an
+    all-reduce SUM of the non-finite counts), so that every replica makes the
+    same decision. Outside a multi-replica context it returns them unchanged."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return flags
+    bad = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(flags), tf.float32)
+    )
+    return tf.equal(bad, 0.0)
 
 
 def _check_loss(loss, mode: str) -> None:

@@ -61,3 +61,20 @@ def test_debug_nan_example_finds_the_layer():
     assert "Training collapsed" in result.stdout
     assert "weights all finite: True" in result.stdout
     assert "found layer: amplifier" in result.stdout
+
+
+@pytest.mark.slow
+def test_distributed_example_trains_on_two_replicas_and_skips_the_nan():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "replicas: 2" in result.stdout
+    for line in ("fit:", "loop:"):
+        row = next(r for r in result.stdout.splitlines() if r.startswith(line))
+        assert float(re.search(r"accuracy ([0-9.]+)", row).group(1)) > 0.85
+        assert "skipped steps 3" in row  # the NaN batch, once per epoch
+        assert "replicas checked: 2" in row
