@@ -30,7 +30,10 @@ amplifier.kernel.assign(amplifier.kernel * 1e5)
 
 kmp.compile(
     model,
-    optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=256),
+    # A short growth interval, so that the scale visibly recovers after the fix.
+    optimizer=kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-3), initial_scale=256, growth_interval=8
+    ),
     loss="mse",
 )
 rng = np.random.default_rng(0)
@@ -61,7 +64,7 @@ amplifier.kernel.assign(amplifier.kernel / 1e5)
 history = model.fit(x, y, batch_size=64, epochs=5, verbose=0)
 print(
     f"   loss {history.history['loss'][0]:.4f} -> {history.history['loss'][-1]:.4f}, "
-    f"loss scale {history.history['loss_scale'][-1]:g}, "
+    f"loss scale back up to {history.history['loss_scale'][-1]:g}, "
     f"skipped this epoch {history.history['skipped_steps'][-1]:g}"
 )
 print(f"found layer: {report.layer}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmp import debug
@@ -66,7 +68,12 @@ def _check_writable_file(path: str, what: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One row of the monitor's log."""
+    """One row of the monitor's log.
+
+    `overflow_layers` names the layers whose gradients were non-finite at the
+    last skipped step of the interval; `forward` is True when the loss itself
+    was inf/NaN (a forward overflow: every gradient is then non-finite).
+    """
 
     step: int
     epoch: int
@@ -75,20 +82,25 @@ class StepRecord:
     skipped: int
     skipped_steps_total: int | None
     overflow_layers: tuple[str, ...] = ()
+    forward: bool = False
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs the loss scale, skipped steps and overflow sources while training.
 
-    Every `every_n_steps` train steps it records the loss (Keras's running
-    epoch mean), the loss scale, how many steps were skipped since the last
-    record, the total, and which layers had non-finite gradients. At a step
-    it only snapshots the optimizer's variables on the device (no sync); the
-    snapshots are read and written out at each epoch's end. Records go
-    to TensorBoard (`log_dir`, scalars under `kmp/`), a CSV file
-    (`csv_path`) and, at the end of training, a PNG plot of the loss and the
-    loss scale with skipped steps marked (`plot_path`; needs matplotlib, the
-    `plot` extra). They are also kept in `monitor.records`.
+    Every `every_n_steps` train steps, and at the last step of each epoch, it
+    records the loss (Keras's running epoch mean), the loss scale, how many
+    steps were skipped since the last record, the total, and which layers
+    had non-finite gradients. Records go to TensorBoard (`log_dir`, scalars
+    under `kmp/`), a CSV file (`csv_path`) and, at the end of training, a
+    PNG plot of the loss and the loss scale with skipped steps marked
+    (`plot_path`; needs matplotlib, the `plot` extra). They are written as
+    they come (nothing is lost if training raises) and kept in
+    `monitor.records`; `monitor.plot(path)` draws them at any time.
+
+    Values come from the batch logs, which Keras has already read from the
+    device; the optimizer's per-variable overflow record is read only when
+    the skip count went up.
 
     Without a `kmp.LossScaleOptimizer` it still logs the loss, and says once
     that scale telemetry is unavailable.
@@ -155,10 +167,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._writer = None
         self._csv_file = None
         self._csv = None
-        self._step = 0
+        self._step = 0  # train steps completed, over every fit
+        self._epoch_start = 0
         self._epoch = 0
-        self._pending: list = []
+        self._last_recorded = 0
         self._last_total = 0
+        self._last_logs: dict = {}
         self._warned = False
 
     def on_train_begin(self, logs=None):
@@ -172,7 +186,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
             self._warned = True
         self._last_total = _numpy(opt.skipped_steps_total) if opt is not None else 0
-        self._pending = []
         if self.log_dir is not None and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.csv_path is not None and self._csv_file is None:
@@ -186,122 +199,24 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._epoch_start = self._step
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        if self._step % self.every_n_steps:
-            return
-        # Snapshot, don't read: tf.identity copies the values on the device
-        # without waiting for them; they are read at the epoch's end.
-        loss = (logs or {}).get("loss", float("nan"))
-        opt = _kmp_optimizer(self.model)
-        state = None
-        if opt is not None:
-            state = tuple(
-                tf.identity(v)
-                for v in (
-                    opt.loss_scale,
-                    opt.skipped_steps_total,
-                    opt.overflow_flags,
-                    opt._overflow_loss_finite,
-                )
-            )
-        self._pending.append((self._step, self._epoch, loss, state))
-
-    def _flush(self) -> None:
-        """Reads the epoch's snapshots in bulk and writes them out."""
-        if not self._pending:
-            return
-        steps = [p[0] for p in self._pending]
-        epochs = [p[1] for p in self._pending]
-        losses = keras.ops.convert_to_numpy(
-            tf.stack([tf.cast(p[2], tf.float32) for p in self._pending])
-        )
-        if self._pending[0][3] is None:
-            new = [
-                StepRecord(st, ep, float(lo), None, 0, None)
-                for st, ep, lo in zip(steps, epochs, losses, strict=True)
-            ]
-        else:
-            scales, totals, flags, loss_finite = (
-                keras.ops.convert_to_numpy(tf.stack([p[3][i] for p in self._pending]))
-                for i in range(4)
-            )
-            new = []
-            for i, total in enumerate(totals.tolist()):
-                skipped = total - self._last_total
-                self._last_total = total
-                layers = (
-                    debug.overflow_sources(
-                        self.model, flags[i], bool(loss_finite[i])
-                    ).layers
-                    if skipped
-                    else ()
-                )
-                new.append(
-                    StepRecord(
-                        steps[i],
-                        epochs[i],
-                        float(losses[i]),
-                        float(scales[i]),
-                        skipped,
-                        total,
-                        layers,
-                    )
-                )
-        self._pending = []
-        self.records.extend(new)
-        if self._writer is not None:
-            self._write_summaries(new)
-        if self._csv is not None:
-            for r in new:
-                self._csv.writerow(
-                    [
-                        r.step,
-                        r.epoch,
-                        r.loss,
-                        "" if r.loss_scale is None else r.loss_scale,
-                        r.skipped,
-                        "" if r.skipped_steps_total is None else r.skipped_steps_total,
-                        ";".join(r.overflow_layers),
-                    ]
-                )
-
-    def _write_summaries(self, records: list[StepRecord]) -> None:
-        columns = {"kmp/loss": [r.loss for r in records]}
-        if records[0].loss_scale is not None:
-            columns["kmp/loss_scale"] = [r.loss_scale for r in records]
-            columns["kmp/skipped_steps"] = [float(r.skipped) for r in records]
-            columns["kmp/skipped_steps_total"] = [
-                float(r.skipped_steps_total) for r in records
-            ]
-        # One raw Summary proto per step (TensorBoard reads `simple_value`
-        # scalars): one op per record instead of one per scalar.
-        with self._writer.as_default():
-            for i, r in enumerate(records):
-                summary = tf.compat.v1.Summary(
-                    value=[
-                        tf.compat.v1.Summary.Value(tag=tag, simple_value=values[i])
-                        for tag, values in columns.items()
-                    ]
-                )
-                tf.summary.experimental.write_raw_pb(
-                    summary.SerializeToString(), step=r.step
-                )
-                if r.overflow_layers:
-                    tf.summary.text(
-                        "kmp/overflow_layers", ", ".join(r.overflow_layers), step=r.step
-                    )
+        # `batch` is the index of the epoch's last completed step, also with
+        # steps_per_execution > 1.
+        previous = self._step
+        self._step = self._epoch_start + batch + 1
+        self._last_logs = dict(logs or {})
+        if self._step // self.every_n_steps > previous // self.every_n_steps:
+            self._record()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._flush()
+        if self._step > self._last_recorded:
+            self._record()  # the epoch's tail: nothing is left uncounted
         if self._writer is not None:
             self._writer.flush()
-        if self._csv_file is not None:
-            self._csv_file.flush()
 
     def on_train_end(self, logs=None):
-        self._flush()  # a run stopped mid-epoch
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -309,7 +224,86 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._csv_file.close()
             self._csv_file = self._csv = None
         if self.plot_path is not None:
-            plot_records(self.records, self.plot_path)
+            self.plot(self.plot_path)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """Writes the PNG plot of the records so far (also after a failure)."""
+        plot_records(self.records, os.fspath(path))
+
+    def _record(self) -> None:
+        logs = self._last_logs
+        loss = float(logs.get("loss", float("nan")))
+        opt = _kmp_optimizer(self.model)
+        if opt is None:
+            record = StepRecord(self._step, self._epoch, loss, None, 0, None)
+        else:
+            if "loss_scale" in logs and "skipped_steps_total" in logs:
+                scale = float(logs["loss_scale"])
+                total = int(logs["skipped_steps_total"])
+            else:  # no telemetry metric attached: read the optimizer
+                scale = float(_numpy(opt.loss_scale))
+                total = _numpy(opt.skipped_steps_total)
+            skipped = total - self._last_total
+            self._last_total = total
+            sources = debug.last_overflow(self.model) if skipped else None
+            record = StepRecord(
+                self._step,
+                self._epoch,
+                loss,
+                scale,
+                skipped,
+                total,
+                sources.layers if sources else (),
+                bool(sources and sources.forward),
+            )
+        self._last_recorded = self._step
+        self.records.append(record)
+        self._write(record)
+
+    def _write(self, r: StepRecord) -> None:
+        if self._writer is not None:
+            values = [("kmp/loss", r.loss)]
+            if r.loss_scale is not None:
+                values += [
+                    ("kmp/loss_scale", r.loss_scale),
+                    ("kmp/skipped_steps", float(r.skipped)),
+                    ("kmp/skipped_steps_total", float(r.skipped_steps_total)),
+                ]
+            # One raw Summary per step (TensorBoard reads `simple_value`
+            # scalars): one op per record instead of one per scalar.
+            summary = tf.compat.v1.Summary(
+                value=[
+                    tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
+                    for tag, value in values
+                ]
+            )
+            with self._writer.as_default():
+                tf.summary.experimental.write_raw_pb(
+                    summary.SerializeToString(), step=r.step
+                )
+                if r.overflow_layers:
+                    tf.summary.text(
+                        "kmp/overflow_layers", _sources_text(r), step=r.step
+                    )
+        if self._csv is not None:
+            self._csv.writerow(
+                [
+                    r.step,
+                    r.epoch,
+                    r.loss,
+                    "" if r.loss_scale is None else r.loss_scale,
+                    r.skipped,
+                    "" if r.skipped_steps_total is None else r.skipped_steps_total,
+                    _sources_text(r) if r.overflow_layers else "",
+                ]
+            )
+            self._csv_file.flush()
+
+
+def _sources_text(r: StepRecord) -> str:
+    if r.forward:
+        return "forward overflow (loss non-finite): " + ";".join(r.overflow_layers)
+    return ";".join(r.overflow_layers)
 
 
 def plot_records(records: list[StepRecord], path: str) -> None:
@@ -377,22 +371,32 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     When the scale sits at its floor (or is static) and `max_consecutive_skips`
     steps in a row were skipped, nothing is training. The guard tells the two
-    causes apart: non-finite *forward* values (the loss itself is inf/NaN: a
-    layer overflows) or *gradient* overflow at every scale, and names the
-    layers: for gradients, from the optimizer's per-variable record; for the
-    forward pass, by running `kmp.debug.find_nonfinite` on `probe` (a batch
-    `x` or `(x, y)`) when given.
+    causes apart and names the layers involved:
 
-    With another optimizer it watches the loss alone: a non-finite loss
-    for `max_consecutive_skips` batches counts as a forward collapse.
+    * non-finite *forward* values (the loss itself is inf/NaN: a layer
+      overflows): `kmp.debug.find_nonfinite` on `probe` names the layer;
+    * *gradient* overflow at every scale: the optimizer's per-variable record
+      names the layers whose gradients overflow, and, with `probe` and
+      `probe_targets`, a backward search names the layer that amplifies its
+      input the most (exploding weights make their neighbours' gradients
+      overflow).
+
+    Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32) it
+    acts after `max_consecutive_skips` non-finite losses in a row. With
+    another optimizer (no skipping) it acts when the loss is non-finite and
+    the weights have become inf/NaN.
+
+    Put it after a `LossScaleMonitor` in the callbacks list so that the
+    monitor records the last step before the guard stops the run.
 
     Args:
         max_consecutive_skips: Skipped steps in a row, at the floor, before
             acting.
         on_collapse: `'raise'` (a `TrainingCollapsedError`), `'stop'` (end
             training, log the diagnosis) or `'warn'` (log it once, go on).
-        probe: Optional batch used to find the layer behind a forward
-            overflow.
+        probe: Optional batch of inputs (as the model takes them) used to
+            find the layers behind the collapse.
+        probe_targets: Optional targets for `probe`, for the backward search.
 
     Example:
 
@@ -406,6 +410,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         max_consecutive_skips: int = 10,
         on_collapse: str = "raise",
         probe: Any = None,
+        probe_targets: Any = None,
     ):
         super().__init__()
         if (
@@ -422,9 +427,15 @@ class NonFiniteGuard(keras.callbacks.Callback):
                 f"on_collapse must be 'raise', 'stop' or 'warn'. Received: "
                 f"{on_collapse!r}."
             )
+        if probe_targets is not None and probe is None:
+            raise ValueError(
+                "probe_targets was given without probe. Pass the inputs too: "
+                "NonFiniteGuard(probe=x_batch, probe_targets=y_batch)."
+            )
         self.max_consecutive_skips = max_consecutive_skips
         self.on_collapse = on_collapse
         self.probe = probe
+        self.probe_targets = probe_targets
         self.diagnosis: TrainingCollapsedError | None = None
         self._nonfinite_losses = 0
 
@@ -432,19 +443,19 @@ class NonFiniteGuard(keras.callbacks.Callback):
         opt = _kmp_optimizer(self.model)
         if opt is None:
             loss = (logs or {}).get("loss")
-            finite = loss is None or tf.math.is_finite(float(loss)).numpy()
+            if loss is None or math.isfinite(float(loss)):
+                return None
+            weights_finite = all(
+                bool(np.isfinite(keras.ops.convert_to_numpy(w)).all())
+                for w in self.model.weights
+            )
+            return None if weights_finite else "weights"
+        if opt.mode == "none":
+            finite = _numpy(opt.last_loss_finite)
             self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
             if self._nonfinite_losses >= self.max_consecutive_skips:
                 return "forward"
             return None
-        if opt.mode == "none":
-            finite = _numpy(opt.last_loss_finite)
-            self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
-            return (
-                "forward"
-                if self._nonfinite_losses >= self.max_consecutive_skips
-                else None
-            )
         if _numpy(opt.consecutive_skips) < self.max_consecutive_skips:
             return None
         at_floor = (
@@ -452,36 +463,58 @@ class NonFiniteGuard(keras.callbacks.Callback):
         )
         if not at_floor:
             return None
-        return "forward" if not _numpy(opt.last_loss_finite) else "gradient"
+        return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"
 
     def _diagnose(self, cause: str) -> TrainingCollapsedError:
         opt = _kmp_optimizer(self.model)
-        head = (
-            f"Training collapsed: {self.max_consecutive_skips} steps in a row were "
-            "skipped"
-            + (
-                f" with the loss scale at its floor ({opt.config.min_scale:g})"
-                if opt
-                else ""
+        if cause == "weights":
+            name = type(self.model.optimizer).__name__
+            return TrainingCollapsedError(
+                "Training collapsed: the loss is inf/NaN and the weights have "
+                f"become inf/NaN (the optimizer, {name}, "
+                "applied a non-finite step). Use kmp.compile or a "
+                "kmp.LossScaleOptimizer, which skips such steps.",
+                cause,
+                (),
             )
-            + "."
-        )
+        if opt.mode == "none":
+            head = (
+                f"Training collapsed: the loss was inf/NaN for "
+                f"{self.max_consecutive_skips} steps in a row."
+            )
+        else:
+            head = (
+                f"Training collapsed: {self.max_consecutive_skips} steps in a row "
+                f"were skipped with the loss scale at its floor "
+                f"({opt.config.min_scale:g})."
+            )
         if cause == "gradient":
-            sources = debug.last_overflow(self.model)
-            layers = sources.layers
+            layers = debug.last_overflow(self.model).layers
+            names = ", ".join(repr(n) for n in layers)
             body = (
                 "Cause: gradient overflow at every scale: the loss is finite, but "
-                f"gradients of these layers are inf/NaN: {', '.join(layers)}. "
-                "Fix: compute them in float32 (kmp.set_layer_policy('name:<layer>', "
-                "'float32') then kmp.prepare(model)), or lower the learning rate / "
-                "clip the gradients if values are exploding."
+                f"the gradients of {names} are inf/NaN."
             )
-            return TrainingCollapsedError(f"{head}\n{body}", cause, layers)
+            if self.probe is not None and self.probe_targets is not None:
+                report = debug.find_nonfinite(
+                    self.model, self.probe, self.probe_targets
+                )
+                if report.found:
+                    body += f"\n{report}"
+            fix = (
+                "Fix: if weights are exploding (the largest amplification above, "
+                "or the learning rate), fix that; else compute those layers in "
+                "float32: "
+                + "; ".join(
+                    f"kmp.set_layer_policy('name:{n}', 'float32')" for n in layers
+                )
+                + ", then kmp.prepare(model)."
+            )
+            return TrainingCollapsedError(f"{head}\n{body}\n{fix}", cause, layers)
         layers: tuple[str, ...] = ()
         body = "Cause: non-finite forward values: the loss itself is inf/NaN."
         if self.probe is not None:
-            x = self.probe[0] if isinstance(self.probe, tuple) else self.probe
-            report = debug.find_nonfinite(self.model, x)
+            report = debug.find_nonfinite(self.model, self.probe)
             if report.found:
                 layers = (report.layer,)
                 body += f"\n{report}"

@@ -111,7 +111,7 @@ def last_overflow(model: keras.Model) -> OverflowSources:
     return overflow_sources(
         model,
         keras.ops.convert_to_numpy(opt.overflow_flags),
-        bool(keras.ops.convert_to_numpy(opt._overflow_loss_finite)),
+        bool(keras.ops.convert_to_numpy(opt.overflow_loss_finite)),
     )
 
 
@@ -315,6 +315,18 @@ def find_nonfinite(
             "find_nonfinite() expects a Keras model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    if not _finite(_max_abs(x)):
+        return NonFiniteReport(
+            True,
+            "forward",
+            "<input>",
+            "input batch",
+            "",
+            _max_abs(x),
+            _max_abs(x),
+            "the input batch itself holds inf/NaN: clean or filter the data "
+            "(e.g. tf.debugging.check_numerics in the input pipeline).",
+        )
     if not isinstance(model, keras.Model) or not getattr(model, "inputs", None):
         return _whole_model(model, x, _prefix)
     layers, probe = _probe(model)
@@ -367,6 +379,25 @@ def find_nonfinite(
             check.input_max_abs,
             check.output_max_abs,
             _fix_for(layer, check.path, "forward", scale),
+            checks=tuple(checks),
+        )
+    if not _finite(_max_abs(values["__y_pred__"])):
+        # The output is non-finite but no layer's (first) call was: a shared
+        # layer overflowed in a later call, which the graph does not expose.
+        return NonFiniteReport(
+            True,
+            "forward",
+            _prefix + model.name,
+            type(model).__name__,
+            model.compute_dtype,
+            _max_abs(x),
+            _max_abs(values["__y_pred__"]),
+            "see the note.",
+            note=(
+                "The model's output holds inf/NaN, but no layer's first call "
+                "does: a layer called more than once (shared) overflows in a "
+                "later call. kmp checks each layer's first call only."
+            ),
             checks=tuple(checks),
         )
     if y is None:

@@ -9,6 +9,7 @@ recognises it and never wraps it a second time; the scaling itself is kmp's
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import keras
@@ -314,13 +315,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._last_loss_finite
 
     @property
+    def overflow_loss_finite(self) -> keras.Variable:
+        """Whether the loss was finite at the last skipped step (False: that
+        step's overflow was in the forward pass)."""
+        return self._overflow_loss_finite
+
+    @property
     def overflow_flags(self) -> keras.Variable:
         """Per trainable variable (in build order): False where the last
         skipped step's gradient held inf/NaN. See `kmp.debug.last_overflow`."""
         if not self.built:
             raise ValueError(
-                "overflow_flags is created when the optimizer is built, on the "
-                "first apply() or optimizer.build(model.trainable_variables)."
+                "overflow_flags is not available yet: it is created when the "
+                "optimizer is built, which it is not. Train a step first, or call "
+                "optimizer.build(model.trainable_variables)."
             )
         return self._overflow_flags
 
@@ -328,6 +336,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.mode == ls.NONE:
             return None
         return self._loss_scale
+
+    def in_training_step(self) -> bool:
+        """Whether the graph being built (or eager code) is one in which this
+        optimizer scaled a loss: a training step."""
+        ref = getattr(self, "_train_graph", None)
+        return ref is not None and ref() is tf.compat.v1.get_default_graph()
 
     def _record_loss(self, loss) -> None:
         self._last_loss_finite.assign(_agree(tf.reduce_all(tf.math.is_finite(loss))))
@@ -339,6 +353,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _check_loss(loss, self.mode)
         self._record_loss(loss)
         self._grads_unscaled.assign(False)
+        # Which graph is a training step: kmp.telemetry reports only there
+        # (not in evaluate). Trace-time bookkeeping, read at trace time.
+        object.__setattr__(
+            self, "_train_graph", weakref.ref(tf.compat.v1.get_default_graph())
+        )
         scale = self._current_scale()
         if scale is None:
             return loss

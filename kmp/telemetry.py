@@ -4,7 +4,12 @@ in `History` and the progress bar, with no device sync inside the step.
 The optimizer keeps the telemetry as variables; `LossScaleTelemetry` is a
 Keras metric whose `result()` only reads them. Keras calls `result()` inside
 the compiled train step, so the values travel with the loss, and resets the
-metric at each epoch start, which is when the epoch's skip count starts.
+metric at each epoch start, which is when the epoch's skip count starts. In
+evaluation steps it reports nothing, so `model.evaluate` returns what it
+would without kmp.
+
+A model loaded with `keras.models.load_model` has no telemetry metric (it is
+not part of the saved model): call `kmp.telemetry.attach(model)` again.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class LossScaleTelemetry(keras.metrics.Metric):
 
     def result(self):
         opt = self._optimizer()
-        if opt is None:
+        # Only in training steps: evaluate() keeps returning what it did.
+        if opt is None or not opt.in_training_step():
             return {}
         total = tf.convert_to_tensor(opt.skipped_steps_total)
         return {

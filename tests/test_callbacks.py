@@ -19,7 +19,7 @@ def test_an_overflowing_layer_is_seen_attributed_found_and_stopped():
     """The whole story on one model whose `blown` layer overflows float16."""
     model = blown_model(1e6)
     x, y = data(256)
-    guard = NonFiniteGuard(max_consecutive_skips=3, probe=(x[:32], y[:32]))
+    guard = NonFiniteGuard(max_consecutive_skips=3, probe=x[:32])
     with pytest.raises(TrainingCollapsedError) as info:
         model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[guard])
     error = info.value
@@ -57,12 +57,17 @@ def test_history_holds_the_scale_and_skips_per_epoch():
 def test_gradient_overflow_at_every_scale_is_diagnosed_with_its_layers():
     model = blown_model(1e4)
     x, y = data(256)
-    guard = NonFiniteGuard(max_consecutive_skips=3)
+    guard = NonFiniteGuard(max_consecutive_skips=3, probe=x[:32], probe_targets=y[:32])
     with pytest.raises(TrainingCollapsedError) as info:
         model.fit(x, y, batch_size=32, epochs=10, verbose=0, callbacks=[guard])
+    text = str(info.value)
     assert info.value.cause == "gradient"
+    # The layers whose gradients overflow are the blown layer's neighbours...
     assert set(info.value.layers) == {"hidden", "out"}
-    assert "gradient overflow at every scale" in str(info.value)
+    assert "gradient overflow at every scale" in text
+    # ... and the backward search on the probe points at the blown layer.
+    assert "Largest amplification: 'blown'" in text
+    assert "kmp.set_layer_policy('name:out', 'float32')" in text
 
 
 def test_stop_ends_training_and_warn_goes_on(caplog):
@@ -87,19 +92,29 @@ def test_guard_rejects_bad_arguments():
         NonFiniteGuard(max_consecutive_skips=0)
 
 
-def test_guard_without_kmp_optimizer_watches_the_loss():
+def test_guard_without_kmp_optimizer_acts_on_nan_weights_only():
     kmp.set_policy("float32")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    x = np.full((64, 2), np.nan, "float32")
-    with pytest.raises(TrainingCollapsedError, match="forward"):
-        model.fit(
-            x,
-            np.ones((64, 1)),
-            batch_size=8,
-            verbose=0,
-            callbacks=[NonFiniteGuard(max_consecutive_skips=2)],
-        )
+    x = np.ones((64, 2), "float32")
+    x[8] = np.nan  # batch 1 poisons plain SGD's weights
+    guard = NonFiniteGuard(max_consecutive_skips=2)
+    with pytest.raises(TrainingCollapsedError, match="weights have become") as info:
+        model.fit(x, np.ones((64, 1)), batch_size=8, verbose=0, callbacks=[guard])
+    assert info.value.cause == "weights"
+
+
+def test_guard_does_not_fire_when_keras_own_wrapper_skips_one_bad_batch():
+    # Keras's loss mean stays inf for the rest of the epoch after one bad
+    # batch; the weights stay finite, so there is nothing to stop.
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")  # Keras wraps it itself
+    x = np.ones((64, 2), "float32")
+    x[8] = np.inf
+    guard = NonFiniteGuard(max_consecutive_skips=2)
+    model.fit(x, np.ones((64, 1)), batch_size=8, verbose=0, callbacks=[guard])
+    assert guard.diagnosis is None
 
 
 def png_size(path):
@@ -198,3 +213,43 @@ def test_monitor_rejects_unwritable_paths_at_construction(tmp_path):
     with pytest.raises(ValueError, match="every_n_steps"):
         LossScaleMonitor(every_n_steps=0)
     assert blocker.read_text() == "not a folder"  # nothing touched
+
+
+def test_monitor_counts_every_skip_with_a_partial_last_interval():
+    model = blown_model(1e6)
+    x, y = data(256)  # 8 steps per epoch
+    monitor = LossScaleMonitor(every_n_steps=3)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor])
+    assert [r.step for r in monitor.records] == [3, 6, 8, 9, 12, 15, 16]
+    assert sum(r.skipped for r in monitor.records) == 16
+    assert all(r.forward for r in monitor.records)
+
+
+def test_monitor_steps_follow_steps_per_execution():
+    model = blown_model(1.0, compile_model=False)
+    kmp.compile(
+        model,
+        optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=8.0),
+        loss="mse",
+        steps_per_execution=4,
+    )
+    x, y = data(256)
+    monitor = LossScaleMonitor()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    assert [r.step for r in monitor.records] == [4, 8]
+
+
+def test_monitor_keeps_its_records_when_the_guard_stops_the_run(tmp_path):
+    model = blown_model(1e6)
+    x, y = data(256)
+    monitor = LossScaleMonitor(csv_path=tmp_path / "log.csv")
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError):
+        model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[monitor, guard])
+    assert len(monitor.records) == 10  # every step up to the collapse
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10
+    assert rows[-1]["overflow_layers"].startswith("forward overflow")
+    monitor.plot(tmp_path / "after.png")
+    assert png_size(tmp_path / "after.png") == (800, 500)

@@ -198,3 +198,24 @@ def test_debug_functions_reject_non_models():
     for fn in (debug.precision_audit, lambda m: debug.find_nonfinite(m, 1)):
         with pytest.raises(TypeError, match="expects a Keras model"):
             fn("model")
+
+
+def test_find_nonfinite_reports_a_non_finite_input_batch():
+    model = blown_model(1.0)
+    x, _ = data()
+    x[3, 2] = np.nan
+    report = kmp.debug.find_nonfinite(model, x)
+    assert report.found and report.layer == "<input>"
+    assert "clean or filter the data" in report.fix
+
+
+def test_find_nonfinite_says_so_when_a_shared_layer_overflows_later():
+    kmp.set_policy("mixed_float16")
+    shared = keras.layers.Dense(4, name="shared")
+    inputs = keras.Input((4,))
+    outputs = shared(shared(inputs))  # the second call overflows
+    model = keras.Model(inputs, outputs)
+    shared.set_weights([np.full((4, 4), 300.0, "float32"), np.zeros(4, "float32")])
+    report = kmp.debug.find_nonfinite(model, np.ones((1, 4), "float32"))
+    assert report.found
+    assert "more than once" in report.note

@@ -61,6 +61,8 @@ def test_debug_nan_example_finds_the_layer():
     assert "Training collapsed" in result.stdout
     assert "weights all finite: True" in result.stdout
     assert "found layer: amplifier" in result.stdout
+    scale = float(re.search(r"loss scale back up to ([0-9.e+]+)", result.stdout)[1])
+    assert scale > 1.0  # the scale recovered once the bug was fixed
 
 
 @pytest.mark.slow

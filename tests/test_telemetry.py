@@ -39,3 +39,35 @@ def test_telemetry_follows_the_scale_at_each_epoch_end():
     )
     # The scale doubles every step (growth_interval=1): 4 * 2**4, then 2**8.
     assert history.history["loss_scale"] == [64.0, 1024.0]
+
+
+def test_evaluate_and_validation_are_unchanged_by_telemetry():
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kmp.compile(
+        model, optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=8.0), loss="mse"
+    )
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    history = model.fit(x, y, validation_data=(x, y), verbose=0)
+    assert set(history.history) == {
+        "loss",
+        "loss_scale",
+        "skipped_steps",
+        "skipped_steps_total",
+        "val_loss",
+    }
+    result = model.evaluate(x, y, verbose=0)
+    assert isinstance(result, float)  # a single loss, as without kmp
+
+
+def test_telemetry_with_several_steps_per_execution():
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kmp.compile(
+        model,
+        optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=8.0, growth_interval=1),
+        loss="mse",
+        steps_per_execution=4,
+    )
+    history = model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=2, verbose=0)
+    assert history.history["loss_scale"] == [8.0 * 2**8]
