@@ -473,3 +473,27 @@ def test_float8_scale_variables_are_not_divided_by_the_loss_scale():
 def test_unknown_arguments_list_the_valid_ones():
     with pytest.raises(TypeError, match="It takes inner_optimizer, initial_scale"):
         kmp.LossScaleOptimizer("sgd", growth=2)
+
+
+def test_ten_thousand_overflowing_steps_keep_the_floor_and_finite_weights():
+    var = keras.Variable(np.ones(3, "float32"))
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1), mode="dynamic", min_scale=1.0
+    )
+    opt.build([var])
+    inf = tf.constant([np.inf, 1.0, np.nan])
+
+    @tf.function
+    def overflow_10k():
+        for _ in tf.range(10_000):
+            opt.apply([inf], [var])
+
+    overflow_10k()
+    assert float(opt.loss_scale) == 1.0
+    assert int(opt.skipped_steps_total) == 10_000
+    assert int(opt.consecutive_skips) == 10_000
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0, 1.0])
+    # Keras's own wrapper reaches a scale of 0 here and then writes NaN; kmp's
+    # next finite step is an ordinary one.
+    assert bool(opt.apply([tf.constant([1.0, 1.0, 1.0])], [var]))
+    assert np.isfinite(var.numpy()).all() and (var.numpy() < 1.0).all()
