@@ -10,6 +10,7 @@ from kmp import debug
 from kmp import distribute
 from kmp import hardware
 from kmp import telemetry
+from kmp.hardware import doctor
 from kmp.loss_scale import LossScaleConfig
 from kmp.loss_scale import LossScaleError
 from kmp.loss_scale import all_finite
@@ -52,6 +53,7 @@ __all__ = [
     "compile",
     "debug",
     "distribute",
+    "doctor",
     "get_policy",
     "hardware",
     "layer_rules",

@@ -27,6 +27,50 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from kmp.hardware import doctor
+
+    report = doctor()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    caps = report.capabilities
+    yes = {True: "yes", False: "no"}
+    print("kmp doctor\n")
+    rows = [
+        (
+            "CPU",
+            f"{caps.cpu.model} ({caps.cpu.cores} cores)",
+            yes[caps.cpu.native_bfloat16],
+            yes[caps.cpu.native_float16],
+            ", ".join(sorted(caps.cpu.flags)) or "-",
+        )
+    ]
+    for gpu in caps.gpus:
+        cc = ".".join(map(str, gpu.compute_capability))
+        rows.append(
+            (
+                "GPU",
+                f"{gpu.name} (compute capability {cc})",
+                yes[gpu.bfloat16_tensor_cores],
+                yes[gpu.float16_tensor_cores],
+                "TF32" if gpu.tf32 else "-",
+            )
+        )
+    if caps.tpus:
+        rows.append(("TPU", f"{caps.tpus} device(s)", "yes", "no", "-"))
+    print(format_table(("device", "name", "bfloat16", "float16", "features"), rows))
+    print(f"\n'auto' picks: {report.auto.policy}\n  because: {report.auto.reason}")
+    print("\nversions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
+    if report.warnings:
+        print("\nwarnings:")
+        for warning in report.warnings:
+            print(f"  - {warning}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kmp",
@@ -38,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         "policies", help="list the precision policies and what 'auto' picks"
     )
     p.set_defaults(func=_cmd_policies)
+    p = sub.add_parser(
+        "doctor", help="what this machine supports and which policy to use"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_doctor)
     return parser
 
 

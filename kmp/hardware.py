@@ -1,6 +1,8 @@
-"""What the machine can do, and which policy `'auto'` picks for it.
+"""What the machine can do, which policy `'auto'` picks for it, and the
+known slow paths (`kmp.doctor()`).
 
-Probing only: functions here return data and never print.
+Probing only: functions here return data and never print; `kmp doctor` on
+the command line prints it.
 """
 
 from __future__ import annotations
@@ -56,13 +58,100 @@ def _gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
     return found
 
 
+def _tpu_count() -> int:
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("TPU"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUInfo:
+    """A visible GPU and the 16-bit math its Tensor Cores support."""
+
+    name: str
+    compute_capability: tuple[int, int]
+
+    @property
+    def float16_tensor_cores(self) -> bool:
+        return self.compute_capability >= (7, 0)
+
+    @property
+    def bfloat16_tensor_cores(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def tf32(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUInfo:
+    """The CPU, and its 16-bit-relevant features as the OS reports them."""
+
+    model: str
+    cores: int
+    flags: frozenset[str]
+
+    @property
+    def native_bfloat16(self) -> bool:
+        return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+
+    @property
+    def native_float16(self) -> bool:
+        return bool(self.flags & {"avx512_fp16", "amx_fp16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Every visible device: the CPU, GPUs (with compute capability), TPUs."""
+
+    cpu: CPUInfo
+    gpus: tuple[GPUInfo, ...]
+    tpus: int
+
+
+def _cpu_model(path: str = _CPUINFO) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """Describes the devices of this machine (read once; frozen).
+
+    Example:
+
+    >>> caps = kmp.hardware.capabilities()
+    >>> caps.cpu.cores >= 1
+    True
+    """
+    return Capabilities(
+        cpu=CPUInfo(_cpu_model(), os.cpu_count() or 1, cpu_flags()),
+        gpus=tuple(GPUInfo(n, cc) for n, cc in _gpu_compute_capabilities()),
+        tpus=_tpu_count(),
+    )
+
+
 def choose_policy(
-    gpus: list[tuple[str, tuple[int, int]]], flags: frozenset[str]
+    gpus: list[tuple[str, tuple[int, int]]], flags: frozenset[str], tpus: int = 0
 ) -> AutoChoice:
     """The `'auto'` rule, as a pure function of what the machine has.
 
-    GPUs win over the CPU when present; the weakest GPU decides.
+    TPUs first, then GPUs (the weakest GPU decides), then the CPU.
     """
+    if tpus:
+        return AutoChoice(
+            "mixed_bfloat16", "TPUs compute in bfloat16 natively; no loss scaling."
+        )
     if gpus:
         name, cc = min(gpus, key=lambda g: g[1])
         if cc >= (8, 0):
@@ -103,4 +192,104 @@ def resolve_auto() -> AutoChoice:
     override = os.environ.get("KMP_POLICY")
     if override and override != "auto":
         return AutoChoice(override, "Set by the KMP_POLICY environment variable.")
-    return choose_policy(_gpu_compute_capabilities(), cpu_flags())
+    caps = capabilities()
+    return choose_policy(
+        [(g.name, g.compute_capability) for g in caps.gpus], caps.cpu.flags, caps.tpus
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DoctorReport:
+    """The machine, the policy `'auto'` picks and why, versions, warnings."""
+
+    capabilities: Capabilities
+    auto: AutoChoice
+    versions: dict[str, str]
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        caps = self.capabilities
+        return {
+            "cpu": {
+                "model": caps.cpu.model,
+                "cores": caps.cpu.cores,
+                "flags": sorted(caps.cpu.flags),
+                "native_bfloat16": caps.cpu.native_bfloat16,
+                "native_float16": caps.cpu.native_float16,
+            },
+            "gpus": [
+                {
+                    "name": g.name,
+                    "compute_capability": list(g.compute_capability),
+                    "float16_tensor_cores": g.float16_tensor_cores,
+                    "bfloat16_tensor_cores": g.bfloat16_tensor_cores,
+                    "tf32": g.tf32,
+                }
+                for g in caps.gpus
+            ],
+            "tpus": caps.tpus,
+            "auto": {"policy": self.auto.policy, "reason": self.auto.reason},
+            "versions": dict(self.versions),
+            "warnings": list(self.warnings),
+        }
+
+
+def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
+    """Warnings for this hardware, from what was measured on such machines."""
+    warnings = []
+    if not caps.gpus and not caps.tpus:
+        if not caps.cpu.native_bfloat16:
+            warnings.append(
+                "This CPU has no native bfloat16 math (AVX512-BF16/AMX-BF16): "
+                "16-bit policies are emulated here and slower than float32. "
+                "Use 'float32' (what 'auto' picks)."
+            )
+        if not caps.cpu.native_float16:
+            warnings.append(
+                "This CPU has no native float16 math (AVX512-FP16/AMX-FP16): "
+                "expect 'mixed_float16' to train slower than float32 (on the "
+                "project's 2-core AMD EPYC: 1.2x the CPU time of float32 for a "
+                "3 x Dense(2048) MLP; benchmarks/RESULTS.md). Use "
+                "'mixed_bfloat16' if the CPU has bfloat16 math, else 'float32'."
+            )
+    for gpu in caps.gpus:
+        if gpu.float16_tensor_cores and not gpu.bfloat16_tensor_cores:
+            warnings.append(
+                f"{gpu.name} (compute capability {gpu.compute_capability[0]}."
+                f"{gpu.compute_capability[1]}) has float16 but not bfloat16 "
+                "Tensor Cores: 'mixed_bfloat16' runs slowly there; use "
+                "'mixed_float16' (with loss scaling, as kmp.compile sets up)."
+            )
+        if not gpu.float16_tensor_cores:
+            warnings.append(
+                f"{gpu.name} has no Tensor Cores: mixed precision saves memory "
+                "there but will not be faster."
+            )
+    return tuple(warnings)
+
+
+def doctor() -> DoctorReport:
+    """Probes the machine and returns a `DoctorReport` (prints nothing).
+
+    Example:
+
+    >>> report = kmp.doctor()
+    >>> report.auto.policy in kmp.list_policies()
+    True
+    """
+    import keras
+    import tensorflow as tf
+
+    from kmp.version import __version__
+
+    caps = capabilities()
+    return DoctorReport(
+        capabilities=caps,
+        auto=resolve_auto(),
+        versions={
+            "kmp": __version__,
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+        },
+        warnings=known_slow_paths(caps),
+    )

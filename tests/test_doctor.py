@@ -1,0 +1,86 @@
+import json
+
+import pytest
+
+import kmp
+from kmp import cli
+from kmp import hardware
+
+
+def caps(flags=(), gpus=(), tpus=0):
+    return hardware.Capabilities(
+        cpu=hardware.CPUInfo("test cpu", 2, frozenset(flags)),
+        gpus=tuple(hardware.GPUInfo(n, cc) for n, cc in gpus),
+        tpus=tpus,
+    )
+
+
+def test_capabilities_describe_this_machine():
+    c = kmp.hardware.capabilities()
+    assert c.cpu.cores >= 1 and c.cpu.model
+    assert c.cpu.flags <= set(hardware.CPU_FLAGS_OF_INTEREST)
+    assert c is kmp.hardware.capabilities()  # probed once
+
+
+@pytest.mark.parametrize(
+    "cc, fp16, bf16, tf32",
+    [
+        ((6, 1), False, False, False),
+        ((7, 5), True, False, False),
+        ((8, 0), True, True, True),
+        ((9, 0), True, True, True),
+    ],
+)
+def test_gpu_tensor_core_support_follows_compute_capability(cc, fp16, bf16, tf32):
+    gpu = hardware.GPUInfo("g", cc)
+    assert (gpu.float16_tensor_cores, gpu.bfloat16_tensor_cores, gpu.tf32) == (
+        fp16,
+        bf16,
+        tf32,
+    )
+
+
+def test_auto_picks_bfloat16_on_tpus():
+    assert hardware.choose_policy([], frozenset(), tpus=8).policy == "mixed_bfloat16"
+
+
+@pytest.mark.parametrize(
+    "machine, expected",
+    [
+        (caps(), ["no native bfloat16", "no native float16"]),
+        (caps({"avx512_bf16"}), ["no native float16"]),
+        (caps({"amx_bf16", "amx_fp16"}), []),
+        (caps(gpus=[("T4", (7, 5))]), ["float16 but not bfloat16"]),
+        (caps(gpus=[("A100", (8, 0))]), []),
+        (caps(gpus=[("P100", (6, 0))]), ["no Tensor Cores"]),
+    ],
+)
+def test_known_slow_paths(machine, expected):
+    warnings = hardware.known_slow_paths(machine)
+    assert len(warnings) == len(expected)
+    for warning, text in zip(warnings, expected, strict=True):
+        assert text in warning
+
+
+def test_doctor_returns_data_matching_the_auto_policy():
+    report = kmp.doctor()
+    assert report.auto == hardware.resolve_auto()
+    assert set(report.versions) == {"kmp", "tensorflow", "keras"}
+    data = report.to_dict()
+    assert data["auto"]["policy"] == report.auto.policy
+    json.dumps(data)  # serializable
+
+
+def test_doctor_command_prints_devices_auto_and_versions(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "device  name" in out and "CPU" in out
+    assert f"'auto' picks: {kmp.doctor().auto.policy}" in out
+    assert "versions: kmp" in out
+
+
+def test_doctor_command_json(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cpu"]["cores"] >= 1
+    assert data["auto"]["policy"] in kmp.list_policies()
