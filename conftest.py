@@ -27,13 +27,13 @@ tf.config.experimental.enable_tensor_float_32_execution(False)
 @pytest.fixture(autouse=True)
 def _restore_kmp_state():
     """Every test starts at float32 with no rules, and leaves nothing behind."""
-    keras.config.set_dtype_policy("float32")
+    kmp.set_policy("float32")
     policy_lib._last_set = None
     kmp.clear_layer_policies()
     policy_lib._unregister_user_policies()
     keras.utils.set_random_seed(0)
     yield
-    keras.config.set_dtype_policy("float32")
+    kmp.set_policy("float32")  # also undoes kmp's CPU fast-path settings
     policy_lib._last_set = None
     kmp.clear_layer_policies()
     policy_lib._unregister_user_policies()

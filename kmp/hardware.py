@@ -184,6 +184,49 @@ def choose_policy(
     )
 
 
+# The grappler `remapping` option as it was before kmp turned it off, or None
+# while kmp has not changed it.
+_remapping_before_kmp: list[bool] = []
+
+
+def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
+    """Applies (or undoes) kmp's CPU fast-path settings for a compute dtype.
+
+    On a machine without GPUs or TPUs, a float16 policy turns off grappler's
+    remapper, whose fused float16 MatMul+BiasAdd CPU kernel was measured at
+    ~0.1 GFLOP/s on Intel machines (issue #5), and only while a float16
+    policy is in force: bfloat16 keeps its fused kernels, and the previous
+    setting comes back when the policy changes. `kmp.set_policy` and
+    `kmp.policy_scope` call this.
+
+    Returns:
+        A description of each setting changed (empty if none).
+    """
+    import tensorflow as tf
+
+    caps = capabilities()
+    wanted = compute_dtype == "float16" and not caps.gpus and not caps.tpus
+    changed = []
+    if wanted and not _remapping_before_kmp:
+        before = tf.config.optimizer.get_experimental_options().get("remapping", True)
+        _remapping_before_kmp.append(before)
+        if before:
+            tf.config.optimizer.set_experimental_options({"remapping": False})
+            changed.append("grappler remapping off (float16 on a CPU)")
+    elif not wanted and _remapping_before_kmp:
+        before = _remapping_before_kmp.pop()
+        tf.config.optimizer.set_experimental_options({"remapping": before})
+        changed.append(f"grappler remapping restored to {before}")
+    for change in changed:
+        logger.info("kmp: %s", change)
+    return tuple(changed)
+
+
+def fast_paths_active() -> bool:
+    """Whether kmp's float16 CPU fast path (remapper off) is in force."""
+    return bool(_remapping_before_kmp)
+
+
 def resolve_auto() -> AutoChoice:
     """Returns the policy `'auto'` picks on this machine and the reason.
 
@@ -237,6 +280,12 @@ class DoctorReport:
 def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
     """Warnings for this hardware, from what was measured on such machines."""
     warnings = []
+    if fast_paths_active():
+        warnings.append(
+            "kmp has turned grappler's remapper off while the float16 policy "
+            "is in force (its fused float16 MatMul CPU kernel is very slow); "
+            "it comes back when the policy changes."
+        )
     if not caps.gpus and not caps.tpus:
         if not caps.cpu.native_bfloat16:
             warnings.append(

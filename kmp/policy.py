@@ -296,6 +296,9 @@ def set_policy(policy: str | Policy | keras.DTypePolicy) -> Policy:
     layers and your own `keras.layers.Layer` subclasses follow it with no
     kmp-specific code.
 
+    On a machine without GPUs, a float16 policy also turns off grappler's
+    remapper while it is in force (see `kmp.hardware.apply_fast_paths`).
+
     Args:
         policy: A name from `kmp.list_policies()` (`'float32'`,
             `'mixed_float16'`, `'mixed_bfloat16'`, `'float16'`, `'bfloat16'`,
@@ -319,6 +322,7 @@ def set_policy(policy: str | Policy | keras.DTypePolicy) -> Policy:
     global _last_set
     resolved = get(policy)
     keras.config.set_dtype_policy(resolved.to_keras())
+    hardware.apply_fast_paths(resolved.compute_dtype)
     _last_set = resolved
     logger.debug("kmp policy set to %r", resolved)
     return resolved
@@ -367,4 +371,5 @@ def policy_scope(policy: str | Policy | keras.DTypePolicy) -> Iterator[Policy]:
         yield set_policy(policy)
     finally:
         keras.config.set_dtype_policy(previous_keras)
+        hardware.apply_fast_paths(previous_keras.compute_dtype)
         _last_set = previous_last

@@ -84,3 +84,39 @@ def test_doctor_command_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["cpu"]["cores"] >= 1
     assert data["auto"]["policy"] in kmp.list_policies()
+
+
+def remapping():
+    import tensorflow as tf
+
+    return tf.config.optimizer.get_experimental_options().get("remapping", True)
+
+
+@pytest.mark.skipif(
+    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+)
+def test_float16_on_a_cpu_turns_the_remapper_off_only_while_in_force():
+    assert remapping() is True
+    kmp.set_policy("mixed_float16")
+    assert remapping() is False and hardware.fast_paths_active()
+    assert any("remapper off" in w for w in kmp.doctor().warnings)
+    kmp.set_policy("mixed_bfloat16")  # bfloat16 keeps its fused kernels
+    assert remapping() is True and not hardware.fast_paths_active()
+    with kmp.policy_scope("float16"):
+        assert remapping() is False
+    assert remapping() is True
+
+
+@pytest.mark.skipif(
+    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+)
+def test_a_users_own_remapper_setting_comes_back():
+    import tensorflow as tf
+
+    tf.config.optimizer.set_experimental_options({"remapping": False})
+    try:
+        kmp.set_policy("mixed_float16")
+        kmp.set_policy("float32")
+        assert remapping() is False  # the user's choice, kept
+    finally:
+        tf.config.optimizer.set_experimental_options({"remapping": True})
