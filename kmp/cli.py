@@ -71,6 +71,49 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kmp import bench
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    results = bench.run(
+        model=args.model,
+        policies=policies,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        rounds=args.rounds,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    if args.plot:
+        bench.plot(results, args.plot, title=f"kmp bench: {args.model}")
+    if args.json:
+        print(bench.to_json(results))
+        return 0
+    gpu = any(r.peak_gpu_mb is not None for r in results)
+    header = ["policy", "ms/step", "speed-up", "samples/s", "peak RSS MB"]
+    header += ["peak GPU MB"] if gpu else []
+    header += ["final loss", "skipped"]
+    rows = []
+    for r in results:
+        row = [
+            r.policy,
+            f"{r.median_step_ms:.1f}",
+            "-" if r.speedup_vs_float32 is None else f"{r.speedup_vs_float32:.2f}x",
+            f"{r.samples_per_s:.0f}",
+            f"{r.peak_host_rss_mb:.0f}",
+        ]
+        row += [f"{r.peak_gpu_mb:.0f}"] if gpu else []
+        row += [f"{r.final_loss:.4f}", str(r.skipped_steps)]
+        rows.append(row)
+    print(
+        f"kmp bench: {args.model}, batch {args.batch_size}, {args.steps} timed "
+        f"steps x {args.rounds} rounds, medians\n"
+    )
+    print(format_table(header, rows))
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kmp",
@@ -87,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser(
+        "bench", help="the same model under several policies, side by side"
+    )
+    p.add_argument(
+        "--model", default="mlp", help="mlp, cnn, transformer, or a .keras file"
+    )
+    p.add_argument("--policies", default="float32,mixed_bfloat16,mixed_float16")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="fresh-process runs per policy, order alternating",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

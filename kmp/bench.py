@@ -1,0 +1,331 @@
+"""`kmp bench`: the same model under several policies, side by side.
+
+Each (policy, round) runs in a fresh Python process, so that one policy's
+graph settings, caches and memory never leak into another's; rounds
+alternate the order of the policies, so that drift on a shared machine hits
+all alike. This module measures and returns data; `kmp.cli` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+BUILTIN_MODELS = ("mlp", "cnn", "transformer")
+WARMUP_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """One policy's figures, over all its rounds."""
+
+    policy: str
+    median_step_ms: float
+    speedup_vs_float32: float | None
+    samples_per_s: float
+    peak_host_rss_mb: float
+    peak_gpu_mb: float | None
+    final_loss: float
+    skipped_steps: int
+    step_ms: tuple[float, ...]  # every timed step, all rounds
+
+
+def build_model(name: str, seed: int = 0):
+    """A built-in benchmark model and a matching synthetic data maker.
+
+    Returns:
+        (model, make_batch) where make_batch(n) returns (x, y) arrays.
+    """
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    layers = keras.layers
+    if name == "mlp":  # 3 x Dense(2048)
+        model = keras.Sequential(
+            [keras.Input((2048,))]
+            + [layers.Dense(2048, activation="relu") for _ in range(3)]
+            + [layers.Dense(10)]
+        )
+
+        def make(n):
+            return rng.normal(size=(n, 2048)).astype("float32"), rng.integers(0, 10, n)
+
+    elif name == "cnn":  # a small ResNet-like CNN on 32x32x3
+        inputs = keras.Input((32, 32, 3))
+        x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        for filters in (32, 64, 128):
+            shortcut = layers.Conv2D(filters, 1, strides=2)(x)
+            y = layers.Conv2D(filters, 3, strides=2, padding="same")(x)
+            y = layers.BatchNormalization()(y)
+            y = layers.ReLU()(y)
+            y = layers.Conv2D(filters, 3, padding="same")(y)
+            y = layers.BatchNormalization()(y)
+            x = layers.ReLU()(layers.Add()([y, shortcut]))
+        x = layers.GlobalAveragePooling2D()(x)
+        model = keras.Model(inputs, layers.Dense(10)(x))
+
+        def make(n):
+            return rng.random((n, 32, 32, 3), dtype="float32"), rng.integers(0, 10, n)
+
+    elif name == "transformer":  # 2 encoder blocks, d=256, sequence 128
+        tokens = keras.Input((128,), dtype="int32")
+        x = layers.Embedding(8000, 256)(tokens)
+        for _ in range(2):
+            attention = layers.MultiHeadAttention(8, 32)(x, x)
+            x = layers.LayerNormalization()(x + attention)
+            ffn = layers.Dense(1024, activation="relu")(x)
+            x = layers.LayerNormalization()(x + layers.Dense(256)(ffn))
+        x = layers.GlobalAveragePooling1D()(x)
+        model = keras.Model(tokens, layers.Dense(10)(x))
+
+        def make(n):
+            return rng.integers(0, 8000, (n, 128)), rng.integers(0, 10, n)
+
+    else:
+        raise ValueError(
+            f"Unknown model {name!r}. Expected one of {', '.join(BUILTIN_MODELS)} "
+            "or the path of a .keras file."
+        )
+    return model, make
+
+
+def _load_model(path: str, seed: int):
+    """A saved model rebuilt under the current policy (its saved dtypes are
+    dropped), with random data of its input shape."""
+    import keras
+    import numpy as np
+
+    saved = keras.models.load_model(path, compile=False)
+    config = saved.get_config()
+
+    def drop_dtypes(layers):
+        # Layers then take the policy in force; inputs keep their dtypes.
+        for layer in layers:
+            layer_config = layer.get("config", {})
+            if layer.get("class_name") != "InputLayer":
+                layer_config.pop("dtype", None)
+            drop_dtypes(layer_config.get("layers", []))
+
+    drop_dtypes(config.get("layers", []))
+    model = saved.__class__.from_config(config)
+    rng = np.random.default_rng(seed)
+    shape = tuple(model.inputs[0].shape[1:])
+    out_units = model.outputs[0].shape[-1]
+
+    def make(n):
+        return (
+            rng.normal(size=(n, *shape)).astype("float32"),
+            rng.normal(size=(n, out_units)).astype("float32"),
+        )
+
+    return model, make
+
+
+def run_one(model: str, policy: str, steps: int, batch_size: int, seed: int) -> dict:
+    """Trains `model` under `policy` for `steps` timed steps in this process
+    and returns its figures (called in a fresh process by `run`)."""
+    import resource
+    import time
+
+    import keras
+    import tensorflow as tf
+
+    import kmp
+
+    kmp.set_policy(policy)
+    if model in BUILTIN_MODELS:
+        net, make = build_model(model, seed)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        net, make = _load_model(model, seed)
+        loss = "mse"
+    kmp.compile(net, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    x, y = make((steps + WARMUP_STEPS) * batch_size)
+
+    class StepTimes(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    times: list[float] = []
+    history = net.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        callbacks=[StepTimes()],
+    )
+    timed = times[WARMUP_STEPS:]
+    gpu_peak = None
+    if tf.config.list_physical_devices("GPU"):
+        gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    skipped = getattr(net.optimizer, "skipped_steps_total", None)
+    return {
+        "policy": policy,
+        "step_ms": [1000 * t for t in timed],
+        "peak_host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mb": gpu_peak,
+        "final_loss": float(history.history["loss"][-1]),
+        "skipped_steps": (
+            0 if skipped is None else int(keras.ops.convert_to_numpy(skipped))
+        ),
+    }
+
+
+def _spawn(model, policy, steps, batch_size, seed, timeout) -> dict:
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = json.dumps([model, policy, steps, batch_size, seed])
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, json, kmp.bench as b; "
+            "print(json.dumps(b.run_one(*json.loads(sys.argv[1]))))",
+            args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"The {policy} run failed in its process:\n{result.stderr[-2000:]}"
+        )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(
+    model: str = "mlp",
+    policies: Sequence[str] = ("float32", "mixed_bfloat16", "mixed_float16"),
+    steps: int = 20,
+    batch_size: int = 64,
+    rounds: int = 2,
+    seed: int = 0,
+    timeout: float = 900,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchResult]:
+    """Benchmarks `model` under each policy; returns one `BenchResult` each.
+
+    Args:
+        model: `'mlp'`, `'cnn'`, `'transformer'` or a `.keras` file.
+        policies: Policy names; `'float32'` is the speed-up baseline.
+        steps: Timed train steps per run (after 2 warm-up steps).
+        batch_size: Samples per step.
+        rounds: Runs per policy, each in a fresh process, order alternating.
+        seed: Seed of the weights and the synthetic data.
+        timeout: Seconds allowed for one run.
+        progress: Called with a line of text before each run.
+
+    Raises:
+        ValueError: for an unknown model or policy, or non-positive counts.
+    """
+    from kmp import policy as policy_lib
+
+    if model not in BUILTIN_MODELS and not (
+        model.endswith(".keras") and os.path.exists(model)
+    ):
+        raise ValueError(
+            f"Unknown model {model!r}. Expected one of {', '.join(BUILTIN_MODELS)} "
+            "or the path of an existing .keras file."
+        )
+    for name in policies:
+        policy_lib.get(name)  # raises with the valid names
+    for name, value in (
+        ("steps", steps),
+        ("batch_size", batch_size),
+        ("rounds", rounds),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1. Received: {name}={value}.")
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    order = list(policies)
+    total = rounds * len(order)
+    done = 0
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            done += 1
+            if progress:
+                progress(f"[{done}/{total}] {model} under {name} (round {r + 1})")
+            runs[name].append(_spawn(model, name, steps, batch_size, seed, timeout))
+    baseline = None
+    if "float32" in runs:
+        baseline = statistics.median(
+            t for run_ in runs["float32"] for t in run_["step_ms"]
+        )
+    results = []
+    for name, name_runs in runs.items():
+        step_ms = tuple(t for run_ in name_runs for t in run_["step_ms"])
+        median = statistics.median(step_ms)
+        results.append(
+            BenchResult(
+                policy=name,
+                median_step_ms=round(median, 2),
+                speedup_vs_float32=round(baseline / median, 3) if baseline else None,
+                samples_per_s=round(1000 * batch_size / median, 1),
+                peak_host_rss_mb=round(
+                    max(r["peak_host_rss_mb"] for r in name_runs), 1
+                ),
+                peak_gpu_mb=(
+                    None
+                    if name_runs[0]["peak_gpu_mb"] is None
+                    else round(max(r["peak_gpu_mb"] for r in name_runs), 1)
+                ),
+                final_loss=round(
+                    statistics.median(r["final_loss"] for r in name_runs), 4
+                ),
+                skipped_steps=max(r["skipped_steps"] for r in name_runs),
+                step_ms=step_ms,
+            )
+        )
+    return results
+
+
+def plot(results: Sequence[BenchResult], path: str, title: str = "") -> None:
+    """Writes a PNG: speed-up and peak memory per policy."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.0, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    speed_ax, memory_ax = fig.subplots(1, 2)
+    names = [r.policy for r in results]
+    speed_ax.bar(
+        names, [r.speedup_vs_float32 or 0.0 for r in results], color="tab:blue"
+    )
+    speed_ax.axhline(1.0, color="gray", linewidth=1)
+    speed_ax.set_ylabel("speed-up vs float32")
+    memory_ax.bar(
+        names,
+        [r.peak_gpu_mb or r.peak_host_rss_mb for r in results],
+        color="tab:orange",
+    )
+    memory_ax.set_ylabel("peak memory (MB)")
+    for ax in (speed_ax, memory_ax):
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(title or "kmp bench")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def to_json(results: Sequence[BenchResult]) -> str:
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        row = dataclasses.asdict(r)
+        row["step_ms"] = [round(t, 3) for t in r.step_ms]
+        rows.append(row)
+    return json.dumps(rows, indent=2)

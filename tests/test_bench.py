@@ -1,0 +1,86 @@
+import json
+
+import keras
+import pytest
+
+from kmp import bench
+from kmp import cli
+
+
+@pytest.mark.slow
+def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    code = cli.main(
+        [
+            "bench",
+            "--model",
+            "mlp",
+            "--policies",
+            "float32,mixed_float16",
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--rounds",
+            "1",
+            "--json",
+            "--plot",
+            str(plot),
+        ]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [r["policy"] for r in rows] == ["float32", "mixed_float16"]
+    for r in rows:
+        assert r["median_step_ms"] > 0 and r["samples_per_s"] > 0
+        assert r["peak_host_rss_mb"] > 0 and len(r["step_ms"]) == 2
+        assert r["skipped_steps"] >= 0
+    assert rows[0]["speedup_vs_float32"] == 1.0
+    assert "[1/2] mlp under float32" in captured.err  # progress
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_runs_a_saved_model_under_each_policy(tmp_path):
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(4)]
+    )
+    path = tmp_path / "small.keras"
+    model.save(path)
+    results = bench.run(
+        str(path),
+        policies=("float32", "mixed_bfloat16"),
+        steps=2,
+        batch_size=8,
+        rounds=1,
+    )
+    assert [r.policy for r in results] == ["float32", "mixed_bfloat16"]
+    assert all(r.final_loss == r.final_loss for r in results)  # not NaN
+
+
+def test_bench_table_is_printed(capsys, monkeypatch):
+    fake = [
+        bench.BenchResult("float32", 10.0, 1.0, 6400.0, 900.0, None, 0.5, 0, (10.0,)),
+        bench.BenchResult(
+            "mixed_bfloat16", 5.0, 2.0, 12800.0, 880.0, None, 0.51, 0, (5.0,)
+        ),
+    ]
+    monkeypatch.setattr(bench, "run", lambda **kwargs: fake)
+    assert cli.main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "policy          ms/step  speed-up" in out
+    assert "mixed_bfloat16  5.0      2.00x" in out
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "resnet1000"}, "Unknown model"),
+        ({"policies": ("float32", "fp8")}, "Unknown policy 'fp8'"),
+        ({"steps": 0}, "steps must be >= 1"),
+    ],
+)
+def test_bench_rejects_bad_arguments_before_starting_anything(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        bench.run(**kwargs)
