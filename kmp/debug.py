@@ -199,6 +199,29 @@ class NonFiniteReport:
     note: str = ""
     checks: tuple[LayerCheck, ...] = ()
 
+    @classmethod
+    def at(
+        cls,
+        check: LayerCheck,
+        phase: str,
+        fix: str,
+        note: str = "",
+        checks: tuple[LayerCheck, ...] = (),
+    ) -> NonFiniteReport:
+        """A report that names the layer of `check`."""
+        return cls(
+            True,
+            phase,
+            check.path,
+            check.class_name,
+            check.compute_dtype,
+            check.input_max_abs,
+            check.output_max_abs,
+            fix,
+            note=note,
+            checks=checks,
+        )
+
     def __str__(self) -> str:
         lines = []
         if not self.found:
@@ -316,14 +339,9 @@ def find_nonfinite(
             f"{model!r} (of type {type(model).__name__})."
         )
     if not _finite(_max_abs(x)):
-        return NonFiniteReport(
-            True,
+        return NonFiniteReport.at(
+            LayerCheck("<input>", "input batch", "", _max_abs(x), _max_abs(x)),
             "forward",
-            "<input>",
-            "input batch",
-            "",
-            _max_abs(x),
-            _max_abs(x),
             "the input batch itself holds inf/NaN: clean or filter the data "
             "(e.g. tf.debugging.check_numerics in the input pipeline).",
         )
@@ -370,28 +388,25 @@ def find_nonfinite(
             )
             if inner.found:
                 return dataclasses.replace(inner, checks=tuple(checks))
-        return NonFiniteReport(
-            True,
+        return NonFiniteReport.at(
+            check,
             "forward",
-            check.path,
-            check.class_name,
-            check.compute_dtype,
-            check.input_max_abs,
-            check.output_max_abs,
             _fix_for(layer, check.path, "forward", scale),
             checks=tuple(checks),
         )
     if not _finite(_max_abs(values["__y_pred__"])):
         # The output is non-finite but no layer's (first) call was: a shared
         # layer overflowed in a later call, which the graph does not expose.
-        return NonFiniteReport(
-            True,
-            "forward",
+        whole = LayerCheck(
             _prefix + model.name,
             type(model).__name__,
             model.compute_dtype,
             _max_abs(x),
             _max_abs(values["__y_pred__"]),
+        )
+        return NonFiniteReport.at(
+            whole,
+            "forward",
             "see the note.",
             note=(
                 "The model's output holds inf/NaN, but no layer's first call "
@@ -411,14 +426,9 @@ def find_nonfinite(
             key=lambda v: math.inf if math.isnan(v) else v,
         )
         if not _finite(grad_max):
-            return NonFiniteReport(
-                True,
+            return NonFiniteReport.at(
+                check,
                 "backward",
-                check.path,
-                check.class_name,
-                check.compute_dtype,
-                check.input_max_abs,
-                check.output_max_abs,
                 _fix_for(layer, check.path, "backward", scale),
                 note=_backward_note(checks, scale),
                 checks=tuple(checks),
@@ -462,17 +472,8 @@ def _whole_model(model, x, prefix) -> NonFiniteReport:
     )
     if _finite(check.output_max_abs):
         return NonFiniteReport(False, note=note, checks=(check,))
-    return NonFiniteReport(
-        True,
-        "forward",
-        check.path,
-        check.class_name,
-        check.compute_dtype,
-        check.input_max_abs,
-        check.output_max_abs,
-        "see the note.",
-        note=note,
-        checks=(check,),
+    return NonFiniteReport.at(
+        check, "forward", "see the note.", note=note, checks=(check,)
     )
 
 
@@ -606,13 +607,14 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
         keras_policy = target.keras_name if moves else layer.dtype_policy.name
         compute = keras.DTypePolicy(keras_policy).compute_dtype
         sixteen = compute in ("float16", "bfloat16")
-        default = rules._default_rule(layer, id(layer) in outputs)
+        default = rules._default_rule(layer, id(layer) in outputs, compute)
         if sixteen and default and not isinstance(layer, keras.Model):
+            slow = default == rules._SLOW_CPU_CONVOLUTION
             risks.append(
                 Risk(
                     path,
                     cls,
-                    "16-bit softmax/normalization",
+                    "slow on this machine" if slow else "16-bit softmax/normalization",
                     f"computes in {compute}; kmp's rule: {default}",
                     "kmp.prepare(model) (or kmp.compile)",
                 )

@@ -40,14 +40,7 @@ def verify_replicas(optimizer: optimizer_lib.LossScaleOptimizer) -> int:
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
             f"{optimizer!r} (of type {type(optimizer).__name__})."
         )
-    names = (
-        "loss_scale",
-        "good_steps",
-        "hysteresis_left",
-        "skipped_steps_total",
-        "consecutive_skips",
-        "last_step_finite",
-    )
+    names = optimizer_lib.STATE_NAMES
     copies = 1
     differing = []
     for name in names:

@@ -38,6 +38,8 @@ _PUBLIC_NAME = {
     "consecutive_skips": "consecutive_skips",
     "last_finite": "last_step_finite",
 }
+# The optimizer's loss-scale state, by public name.
+STATE_NAMES = tuple(_PUBLIC_NAME.values())
 _DEFAULT = ls.LossScaleConfig()
 
 
@@ -453,6 +455,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _flags_by_variable(self, flags, variables):
         """Places per-gradient flags at their variables' build positions."""
         n = self._overflow_flags.shape[0]
+        unknown = [v for v in variables if id(v) not in self._variable_index]
+        if unknown:
+            raise ValueError(
+                f"apply() received variables the optimizer was not built with: "
+                f"{', '.join(getattr(v, 'path', str(v)) for v in unknown)}. "
+                "Expected a subset of the variables passed to build() (or to the "
+                "first apply()). Use one optimizer per set of variables."
+            )
         positions = [self._variable_index[id(v)] for v in variables]
         if positions == list(range(n)):
             return flags

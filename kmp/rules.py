@@ -19,6 +19,9 @@ Resolution order, for each layer (first match wins):
    normalization layer, the attention scores of `MultiHeadAttention` and
    `GroupQueryAttention` (see below), `Attention`/`AdditiveAttention`, and
    a model output layer whose activation is softmax, log-softmax or sigmoid.
+   One speed rule: under float16 on a machine with no GPU and a CPU without
+   native float16 math, convolutions compute in float32 (TensorFlow's
+   float16 CPU convolutions ran 5x slower than float32 here).
 5. The policy of the enclosing layer: the model's own policy at the top, and a
    container layer's decided policy for the layers inside it (so
    `kmp.set_layer_policy(MyBlock, "float32")` puts the whole block in float32).
@@ -222,8 +225,42 @@ def _attention_classes() -> tuple[type, ...]:
     return (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
 
 
-def _default_rule(layer: keras.layers.Layer, is_output: bool) -> str | None:
+def _convolution_classes() -> tuple[type, ...]:
+    names = (
+        "Conv1D",
+        "Conv2D",
+        "Conv3D",
+        "Conv1DTranspose",
+        "Conv2DTranspose",
+        "Conv3DTranspose",
+        "DepthwiseConv1D",
+        "DepthwiseConv2D",
+        "SeparableConv1D",
+        "SeparableConv2D",
+    )
+    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
+
+
+_SLOW_CPU_CONVOLUTION = "default: float16 convolutions are slow on this CPU"
+
+
+def _float16_convolutions_are_slow() -> bool:
+    from kmp import hardware
+
+    caps = hardware.capabilities()
+    return not caps.gpus and not caps.tpus and not caps.cpu.native_float16
+
+
+def _default_rule(
+    layer: keras.layers.Layer, is_output: bool, compute_dtype: str = "float16"
+) -> str | None:
     """Names the default rule that puts `layer` in float32, or None."""
+    if (
+        compute_dtype == "float16"
+        and isinstance(layer, _convolution_classes())
+        and _float16_convolutions_are_slow()
+    ):
+        return _SLOW_CPU_CONVOLUTION
     if isinstance(layer, keras.layers.Softmax):
         return "default: softmax in float32"
     if isinstance(layer, _normalization_classes()):
@@ -356,7 +393,9 @@ def _plan(model: keras.layers.Layer) -> list[_Decision]:
                 return rule.policy, rule.describe(), False
         if forced is not None:
             return forced[0], forced[1], False
-        default = inherited.is_16bit and _default_rule(layer, is_output)
+        default = inherited.is_16bit and _default_rule(
+            layer, is_output, inherited.compute_dtype
+        )
         if default:
             return policy_lib.get(FLOAT32), default, False
         return inherited, ("policy" if inherited == base else "inherited"), False

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import keras
 import pytest
@@ -84,3 +85,23 @@ def test_bench_table_is_printed(capsys, monkeypatch):
 def test_bench_rejects_bad_arguments_before_starting_anything(kwargs, message):
     with pytest.raises(ValueError, match=message):
         bench.run(**kwargs)
+
+
+def test_gpu_script_refuses_clearly_without_a_gpu(tmp_path):
+    import os
+    import subprocess
+
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this machine has a GPU: gpu.sh would run the benchmark")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        ["bash", os.path.join(root, "benchmarks", "gpu.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+    )
+    assert result.returncode == 3
+    assert "needs TensorFlow with a visible GPU" in result.stderr

@@ -12,6 +12,17 @@ README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
 
+def run_example(name: str) -> subprocess.CompletedProcess:
+    """Runs examples/<name> as a user would; fails the test if it fails."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+
+
 def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 3
 
@@ -23,13 +34,7 @@ def test_readme_python_block_runs(index):
 
 @pytest.mark.slow
 def test_quickstart_example_trains_and_reports():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    result = run_example("quickstart.py")
     assert "Precision of 'sequential'" in result.stdout
     accuracy = float(re.search(r"final accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.5  # 10 classes: chance is 0.1
@@ -37,13 +42,7 @@ def test_quickstart_example_trains_and_reports():
 
 @pytest.mark.slow
 def test_custom_loop_example_trains_without_skips():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "custom_loop.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    result = run_example("custom_loop.py")
     assert "loss scale" in result.stdout
     accuracy = float(re.search(r"train accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.8  # 4 classes: chance is 0.25
@@ -51,13 +50,7 @@ def test_custom_loop_example_trains_without_skips():
 
 @pytest.mark.slow
 def test_debug_nan_example_finds_the_layer():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "debug_nan.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    result = run_example("debug_nan.py")
     assert "Training collapsed" in result.stdout
     assert "weights all finite: True" in result.stdout
     assert "found layer: amplifier" in result.stdout
@@ -67,13 +60,7 @@ def test_debug_nan_example_finds_the_layer():
 
 @pytest.mark.slow
 def test_distributed_example_trains_on_two_replicas_and_skips_the_nan():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "distributed.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    result = run_example("distributed.py")
     assert "replicas: 2" in result.stdout
     for line in ("fit:", "loop:"):
         row = next(r for r in result.stdout.splitlines() if r.startswith(line))

@@ -497,3 +497,11 @@ def test_ten_thousand_overflowing_steps_keep_the_floor_and_finite_weights():
     # next finite step is an ordinary one.
     assert bool(opt.apply([tf.constant([1.0, 1.0, 1.0])], [var]))
     assert np.isfinite(var.numpy()).all() and (var.numpy() < 1.0).all()
+
+
+def test_applying_to_unknown_variables_is_a_clear_error():
+    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
+    known, stranger = keras.Variable(1.0), keras.Variable(2.0)
+    opt.build([known])
+    with pytest.raises(ValueError, match="not built with"):
+        opt.apply([tf.constant(1.0)], [stranger])

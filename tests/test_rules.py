@@ -94,9 +94,11 @@ def test_cnn_computes_16bit_with_float32_batchnorm(policy):
     model = kmp.prepare(small_cnn())
     compute = _compute(policy)
     outputs = layer_outputs(model, np.random.rand(2, 12, 12, 3).astype("float32"))
+    slow_conv = policy == "mixed_float16" and rules._float16_convolutions_are_slow()
     for name in ("conv", "logits"):
         assert model.get_layer(name).kernel.dtype == "float32"
-        assert dtype_of(outputs[name]) == compute
+    assert dtype_of(outputs["conv"]) == ("float32" if slow_conv else compute)
+    assert dtype_of(outputs["logits"]) == compute
     assert dtype_of(outputs["bn"]) == "float32"
     assert all(w.dtype == "float32" for w in model.get_layer("bn").weights)
 
@@ -306,6 +308,34 @@ def test_class_rules_match_user_classes_and_their_subclasses():
     model = keras.Sequential([keras.Input((4,)), Block(), SpecialBlock()])
     kmp.prepare(model)
     assert [layer.compute_dtype for layer in model.layers] == ["float32", "float32"]
+
+
+@pytest.mark.parametrize("cpu_float16", [False, True])
+def test_float16_convolutions_go_float32_only_where_they_are_slow(
+    cpu_float16, monkeypatch
+):
+    from kmp import hardware
+
+    machine = hardware.Capabilities(
+        cpu=hardware.CPUInfo(
+            "cpu", 2, frozenset({"avx512_fp16"} if cpu_float16 else set())
+        ),
+        gpus=(),
+        tpus=0,
+    )
+    monkeypatch.setattr(hardware, "capabilities", lambda: machine)
+    for policy, expected in (
+        ("mixed_float16", "float16" if cpu_float16 else "float32"),
+        ("mixed_bfloat16", "bfloat16"),
+    ):
+        kmp.set_policy(policy)
+        model = kmp.prepare(small_cnn())
+        assert model.get_layer("conv").compute_dtype == expected, policy
+        assert model.get_layer("logits").compute_dtype == _compute(policy)
+    kmp.set_policy("mixed_float16")
+    report = kmp.precision_report(kmp.prepare(small_cnn()))
+    if not cpu_float16:
+        assert report.row("conv").rule == rules._SLOW_CPU_CONVOLUTION
 
 
 def test_class_name_patterns_match_class_names():
