@@ -33,7 +33,7 @@ class BenchResult:
     peak_host_rss_mb: float
     peak_gpu_mb: float | None
     final_loss: float
-    skipped_steps: int
+    skipped_steps: int | None  # None: not counted (plain Keras)
     step_ms: tuple[float, ...]  # every timed step, all rounds
 
 
@@ -130,9 +130,20 @@ def _load_model(path: str, seed: int):
     return model, make
 
 
-def run_one(model: str, policy: str, steps: int, batch_size: int, seed: int) -> dict:
+def run_one(
+    model: str,
+    policy: str,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    plain_keras: bool = False,
+) -> dict:
     """Trains `model` under `policy` for `steps` timed steps in this process
-    and returns its figures (called in a fresh process by `run`)."""
+    and returns its figures (called in a fresh process by `run`).
+
+    With `plain_keras`, the same run without kmp: Keras's own global dtype
+    policy and `model.compile` (which wraps the optimizer in Keras's own
+    loss-scale optimizer under mixed_float16), for comparison."""
     import resource
     import time
 
@@ -140,15 +151,22 @@ def run_one(model: str, policy: str, steps: int, batch_size: int, seed: int) -> 
     import tensorflow as tf
 
     import kmp
+    from kmp import policy as policy_lib
 
-    kmp.set_policy(policy)
+    if plain_keras:
+        keras.config.set_dtype_policy(policy_lib.get(policy).keras_name)
+    else:
+        kmp.set_policy(policy)
     if model in BUILTIN_MODELS:
         net, make = build_model(model, seed)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         net, make = _load_model(model, seed)
         loss = "mse"
-    kmp.compile(net, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    if plain_keras:
+        net.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    else:
+        kmp.compile(net, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     x, y = make((steps + WARMUP_STEPS) * batch_size)
 
     class StepTimes(keras.callbacks.Callback):
@@ -173,22 +191,25 @@ def run_one(model: str, policy: str, steps: int, batch_size: int, seed: int) -> 
     if tf.config.list_physical_devices("GPU"):
         gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
     skipped = getattr(net.optimizer, "skipped_steps_total", None)
+    if skipped is not None:
+        skipped = int(keras.ops.convert_to_numpy(skipped))
+    elif not isinstance(net.optimizer, keras.optimizers.LossScaleOptimizer):
+        skipped = 0  # no loss scaling: nothing is ever skipped
     return {
-        "policy": policy,
+        "policy": f"keras:{policy}" if plain_keras else policy,
         "step_ms": [1000 * t for t in timed],
         "peak_host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_mb": gpu_peak,
         "final_loss": float(history.history["loss"][-1]),
-        "skipped_steps": (
-            0 if skipped is None else int(keras.ops.convert_to_numpy(skipped))
-        ),
+        # None: Keras's own loss-scale wrapper keeps no count of skips.
+        "skipped_steps": skipped,
     }
 
 
-def _spawn(model, policy, steps, batch_size, seed, timeout) -> dict:
+def _spawn(model, policy, steps, batch_size, seed, timeout, plain_keras) -> dict:
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = json.dumps([model, policy, steps, batch_size, seed])
+    args = json.dumps([model, policy, steps, batch_size, seed, plain_keras])
     result = subprocess.run(
         [
             sys.executable,
@@ -218,6 +239,7 @@ def run(
     seed: int = 0,
     timeout: float = 900,
     progress: Callable[[str], None] | None = None,
+    compare_keras: bool = False,
 ) -> list[BenchResult]:
     """Benchmarks `model` under each policy; returns one `BenchResult` each.
 
@@ -230,6 +252,8 @@ def run(
         seed: Seed of the weights and the synthetic data.
         timeout: Seconds allowed for one run.
         progress: Called with a line of text before each run.
+        compare_keras: Also run each policy with plain Keras (no kmp), as
+            `keras:<policy>` rows, interleaved with the kmp runs.
 
     Raises:
         ValueError: for an unknown model or policy, or non-positive counts.
@@ -252,16 +276,23 @@ def run(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1. Received: {name}={value}.")
-    runs: dict[str, list[dict]] = {p: [] for p in policies}
-    order = list(policies)
-    total = rounds * len(order)
+    variants = [(p, False) for p in policies]
+    if compare_keras:
+        variants += [(p, True) for p in policies]
+    runs: dict[str, list[dict]] = {
+        (f"keras:{p}" if keras else p): [] for p, keras in variants
+    }
+    total = rounds * len(variants)
     done = 0
     for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
+        for name, keras in variants if r % 2 == 0 else variants[::-1]:
             done += 1
+            label = f"keras:{name}" if keras else name
             if progress:
-                progress(f"[{done}/{total}] {model} under {name} (round {r + 1})")
-            runs[name].append(_spawn(model, name, steps, batch_size, seed, timeout))
+                progress(f"[{done}/{total}] {model} under {label} (round {r + 1})")
+            runs[label].append(
+                _spawn(model, name, steps, batch_size, seed, timeout, keras)
+            )
     baseline = None
     if "float32" in runs:
         baseline = statistics.median(
@@ -288,7 +319,11 @@ def run(
                 final_loss=round(
                     statistics.median(r["final_loss"] for r in name_runs), 4
                 ),
-                skipped_steps=max(r["skipped_steps"] for r in name_runs),
+                skipped_steps=(
+                    None
+                    if name_runs[0]["skipped_steps"] is None
+                    else max(r["skipped_steps"] for r in name_runs)
+                ),
                 step_ms=step_ms,
             )
         )

@@ -82,6 +82,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         rounds=args.rounds,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        compare_keras=args.keras,
     )
     if args.plot:
         bench.plot(results, args.plot, title=f"kmp bench: {args.model}")
@@ -102,7 +103,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"{r.peak_host_rss_mb:.0f}",
         ]
         row += [f"{r.peak_gpu_mb:.0f}"] if gpu else []
-        row += [f"{r.final_loss:.4f}", str(r.skipped_steps)]
+        skipped = "-" if r.skipped_steps is None else str(r.skipped_steps)
+        row += [f"{r.final_loss:.4f}", skipped]
         rows.append(row)
     print(
         f"kmp bench: {args.model}, batch {args.batch_size}, {args.steps} timed "
@@ -144,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="fresh-process runs per policy, order alternating",
+    )
+    p.add_argument(
+        "--keras",
+        action="store_true",
+        help="also run each policy with plain Keras, for comparison",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG")

@@ -24,6 +24,7 @@ def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
             "8",
             "--rounds",
             "1",
+            "--keras",
             "--json",
             "--plot",
             str(plot),
@@ -32,13 +33,21 @@ def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
     assert code == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
-    assert [r["policy"] for r in rows] == ["float32", "mixed_float16"]
+    assert [r["policy"] for r in rows] == [
+        "float32",
+        "mixed_float16",
+        "keras:float32",
+        "keras:mixed_float16",
+    ]
     for r in rows:
         assert r["median_step_ms"] > 0 and r["samples_per_s"] > 0
         assert r["peak_host_rss_mb"] > 0 and len(r["step_ms"]) == 2
-        assert r["skipped_steps"] >= 0
+        if r["policy"] == "keras:mixed_float16":
+            assert r["skipped_steps"] is None  # Keras's wrapper counts none
+        else:
+            assert r["skipped_steps"] >= 0
     assert rows[0]["speedup_vs_float32"] == 1.0
-    assert "[1/2] mlp under float32" in captured.err  # progress
+    assert "[1/4] mlp under float32" in captured.err  # progress
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
