@@ -67,3 +67,20 @@ def test_distributed_example_trains_on_two_replicas_and_skips_the_nan():
         assert float(re.search(r"accuracy ([0-9.]+)", row).group(1)) > 0.85
         assert "skipped steps 3" in row  # the NaN batch, once per epoch
         assert "replicas checked: 2" in row
+
+
+@pytest.mark.slow
+def test_transformer_example_applies_the_rules_and_learns():
+    out = run_example("transformer.py").stdout
+    assert "block1_attention/query" in out and "attention scores in float32" in out
+    assert "output dtype: <dtype: 'float32'>" in out
+    accuracy = float(re.search(r"validation accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.6  # 4 classes: chance is 0.25
+
+
+@pytest.mark.slow
+def test_tf_keras_guide_style_code_trains_on_kmp():
+    out = run_example("migrate_from_tf_keras.py").stdout
+    assert "loss scale" in out
+    accuracy = float(re.search(r"train accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.9  # 10 classes: chance is 0.1
