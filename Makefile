@@ -1,6 +1,6 @@
 # Two commands set up and run everything on a fresh machine:
 #   make test   create .venv, install kmp with its test extra, lint, run the suite
-#   make demo   create .venv, install kmp, run the main job
+#   make demo   create .venv, install kmp, run the main job (kmp demo)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,7 @@ test: lint
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q
 
 demo: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) examples/quickstart.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from kmp import cli
+from kmp import demo
+
+
+@pytest.mark.slow
+def test_demo_trains_each_policy_to_float32_accuracy(capsys, tmp_path):
+    plot = tmp_path / "demo.png"
+    assert cli.main(["demo", "--json", "--plot", str(plot)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = {r["policy"]: r for r in report["runs"]}
+    assert "float32" in runs and "mixed_float16" in runs
+    assert report["accuracy_within_1_point_of_float32"] is True
+    for r in runs.values():
+        assert r["val_accuracy"] > 0.9  # chance is 0.1
+        assert abs(r["val_accuracy"] - runs["float32"]["val_accuracy"]) <= 0.01
+    scaled = runs["mixed_float16"]
+    assert scaled["loss_scale_min"] >= 1 and len(scaled["loss_scale"]) > 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_demo_table_with_the_transformer(capsys, tmp_path):
+    code = cli.main(
+        [
+            "demo",
+            "--model",
+            "transformer",
+            "--epochs",
+            "2",
+            "--plot",
+            str(tmp_path / "t.png"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code in (0, 1)  # 2 epochs: accuracy may not have settled
+    assert "policy          ms/step  speed-up" in out
+    assert "float32" in out and "mixed_float16" in out
+    assert f"loss curves and loss scale: {tmp_path / 't.png'}" in out
+
+
+def test_demo_policies_are_float32_auto_and_float16():
+    policies = demo.policies_to_run()
+    assert policies[0] == "float32" and "mixed_float16" in policies
+    assert len(policies) == len(set(policies))
+
+
+def test_demo_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="Unknown model"):
+        demo.run(model="resnet")
+    with pytest.raises(ValueError, match="epochs must be >= 1"):
+        demo.run(epochs=0)
