@@ -23,6 +23,34 @@ def run_example(name: str) -> subprocess.CompletedProcess:
     )
 
 
+SHELL_BLOCKS = re.findall(r"```sh\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_readme_shell_commands_exist():
+    """Each command in the README's shell blocks is a real one: `make`
+    targets are in the Makefile, and `kmp ...` lines parse with the CLI."""
+    from kmp import cli
+
+    makefile = (ROOT / "Makefile").read_text()
+    commands = [
+        line.split("#")[0].strip()
+        for block in SHELL_BLOCKS
+        for line in block.splitlines()
+        if line.split("#")[0].strip()
+    ]
+    assert commands
+    for command in commands:
+        words = command.split()
+        if words[0] == "make":
+            assert re.search(rf"^{words[1]}:", makefile, re.M), command
+        elif words[:3] == ["python", "-m", "kmp"]:
+            continue  # the same entry point as `kmp`
+        else:
+            assert words[0] == "kmp", command
+            if words[1:] != ["--version"]:
+                cli.build_parser().parse_args(words[1:])
+
+
 def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 3
 
