@@ -21,8 +21,15 @@ fi
 "$PY" -m kmp doctor --json > "$OUT/doctor.json"
 for model in transformer mlp cnn; do
   echo "== $model" >&2
-  timeout 140 "$PY" -m kmp bench --model "$model" --steps 20 --batch-size 256 \
-    --rounds 2 --json > "$OUT/$model.json" || echo "$model: timed out or failed" >&2
+  # Written aside and moved into place only on success, so that a run that
+  # failed or timed out leaves no half-written file for the summary.
+  if timeout 140 "$PY" -m kmp bench --model "$model" --steps 20 --batch-size 256 \
+      --rounds 2 --json > "$OUT/$model.json.part"; then
+    mv "$OUT/$model.json.part" "$OUT/$model.json"
+  else
+    rm -f "$OUT/$model.json.part"
+    echo "$model: timed out or failed" >&2
+  fi
 done
 "$PY" - "$OUT" <<'PYEOF'
 import json, pathlib, sys
@@ -30,11 +37,19 @@ out = pathlib.Path(sys.argv[1])
 for path in sorted(out.glob("*.json")):
     if path.name == "doctor.json":
         continue
-    rows = json.loads(path.read_text())
+    try:
+        rows = json.loads(path.read_text())
+    except ValueError:
+        print(f"{path.stem}: unreadable results, skipped")
+        continue
     base = next(r for r in rows if r["policy"] == "float32")
     for r in rows:
         saved = 1 - (r["peak_gpu_mb"] or 0) / (base["peak_gpu_mb"] or 1)
+        target = ""
+        if path.stem == "transformer" and r["policy"] != "float32":
+            met = r["speedup_vs_float32"] >= 2.0 and saved >= 0.40
+            target = "  target (>=2x, >=40% less memory): " + ("met" if met else "NOT met")
         print(f"{path.stem:12s} {r['policy']:15s} {r['median_step_ms']:8.2f} ms/step "
               f"{r['speedup_vs_float32']:.2f}x  peak GPU {r['peak_gpu_mb']} MB "
-              f"({saved:+.0%} vs float32)")
+              f"({saved:.0%} less than float32){target}")
 PYEOF

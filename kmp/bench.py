@@ -32,7 +32,7 @@ class BenchResult:
     samples_per_s: float
     peak_host_rss_mb: float
     peak_gpu_mb: float | None
-    final_loss: float
+    final_loss: float  # the loss Keras reports after the run (its mean)
     skipped_steps: int | None  # None: not counted (plain Keras)
     step_ms: tuple[float, ...]  # every timed step, all rounds
 
@@ -293,15 +293,20 @@ def run(
             runs[label].append(
                 _spawn(model, name, steps, batch_size, seed, timeout, keras)
             )
-    baseline = None
-    if "float32" in runs:
-        baseline = statistics.median(
-            t for run_ in runs["float32"] for t in run_["step_ms"]
-        )
+
+    def median_of(label):
+        if label not in runs:
+            return None
+        return statistics.median(t for run_ in runs[label] for t in run_["step_ms"])
+
     results = []
     for name, name_runs in runs.items():
         step_ms = tuple(t for run_ in name_runs for t in run_["step_ms"])
         median = statistics.median(step_ms)
+        # kmp rows against kmp's float32; keras: rows against Keras's float32.
+        baseline = median_of(
+            "keras:float32" if name.startswith("keras:") else "float32"
+        )
         results.append(
             BenchResult(
                 policy=name,

@@ -287,6 +287,11 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
             "it comes back when the policy changes."
         )
     if not caps.gpus and not caps.tpus:
+        warnings.append(
+            "Training on the CPU: under float16, kmp computes convolutions in "
+            "float32 (float16 CPU convolutions ran 5x slower than float32 on "
+            "the project's CPU; benchmarks/RESULTS.md)."
+        )
         if not caps.cpu.native_bfloat16:
             warnings.append(
                 "This CPU has no native bfloat16 math (AVX512-BF16/AMX-BF16): "

@@ -6,6 +6,7 @@ from typing import Any
 
 import keras
 
+from kmp import hardware
 from kmp import policy as policy_lib
 from kmp import rules
 from kmp import telemetry
@@ -48,6 +49,9 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
             f"{model!r} (of type {type(model).__name__})."
         )
     rules.prepare(model)
+    # The fast-path settings follow the model being compiled (grappler reads
+    # them when `fit` first runs), also when it was built in a policy_scope.
+    hardware.apply_fast_paths(policy_lib.get(model.dtype_policy).compute_dtype)
     optimizer = compile_kwargs.get("optimizer", "rmsprop")
     if policy_lib.get(model.dtype_policy).needs_loss_scaling and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer

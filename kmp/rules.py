@@ -19,9 +19,9 @@ Resolution order, for each layer (first match wins):
    normalization layer, the attention scores of `MultiHeadAttention` and
    `GroupQueryAttention` (see below), `Attention`/`AdditiveAttention`, and
    a model output layer whose activation is softmax, log-softmax or sigmoid.
-   One speed rule: under float16 on a machine with no GPU and a CPU without
-   native float16 math, convolutions compute in float32 (TensorFlow's
-   float16 CPU convolutions ran 5x slower than float32 here).
+   One speed rule: under float16 on a machine with no GPU or TPU,
+   convolutions compute in float32 (TensorFlow's float16 CPU convolutions
+   ran 5x slower than float32 here).
 5. The policy of the enclosing layer: the model's own policy at the top, and a
    container layer's decided policy for the layers inside it (so
    `kmp.set_layer_policy(MyBlock, "float32")` puts the whole block in float32).
@@ -241,14 +241,17 @@ def _convolution_classes() -> tuple[type, ...]:
     return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
 
 
-_SLOW_CPU_CONVOLUTION = "default: float16 convolutions are slow on this CPU"
+_SLOW_CPU_CONVOLUTION = "default: float16 convolutions are slow on CPUs"
 
 
 def _float16_convolutions_are_slow() -> bool:
+    """True on machines that train on the CPU: float16 convolutions were
+    measured slow there both with native float16 math (issue #5's Intel
+    machines, AVX512-FP16) and without it (this project's AMD, 0.20x)."""
     from kmp import hardware
 
     caps = hardware.capabilities()
-    return not caps.gpus and not caps.tpus and not caps.cpu.native_float16
+    return not caps.gpus and not caps.tpus
 
 
 def _default_rule(

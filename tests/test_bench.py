@@ -47,6 +47,7 @@ def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
         else:
             assert r["skipped_steps"] >= 0
     assert rows[0]["speedup_vs_float32"] == 1.0
+    assert rows[2]["speedup_vs_float32"] == 1.0  # keras rows: against keras:float32
     assert "[1/4] mlp under float32" in captured.err  # progress
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
@@ -80,6 +81,7 @@ def test_bench_table_is_printed(capsys, monkeypatch):
     assert cli.main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "policy          ms/step  speed-up" in out
+    assert "loss (mean)" in out
     assert "mixed_bfloat16  5.0      2.00x" in out
 
 

@@ -47,9 +47,12 @@ def test_auto_picks_bfloat16_on_tpus():
 @pytest.mark.parametrize(
     "machine, expected",
     [
-        (caps(), ["no native bfloat16", "no native float16"]),
-        (caps({"avx512_bf16"}), ["no native float16"]),
-        (caps({"amx_bf16", "amx_fp16"}), []),
+        (
+            caps(),
+            ["convolutions in float32", "no native bfloat16", "no native float16"],
+        ),
+        (caps({"avx512_bf16"}), ["convolutions in float32", "no native float16"]),
+        (caps({"amx_bf16", "amx_fp16"}), ["convolutions in float32"]),
         (caps(gpus=[("T4", (7, 5))]), ["float16 but not bfloat16"]),
         (caps(gpus=[("A100", (8, 0))]), []),
         (caps(gpus=[("P100", (6, 0))]), ["no Tensor Cores"]),
@@ -120,3 +123,19 @@ def test_a_users_own_remapper_setting_comes_back():
         assert remapping() is False  # the user's choice, kept
     finally:
         tf.config.optimizer.set_experimental_options({"remapping": True})
+
+
+@pytest.mark.skipif(
+    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+)
+def test_kmp_compile_applies_the_fast_path_of_the_model_it_compiles():
+    import keras
+
+    with kmp.policy_scope("mixed_float16"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert remapping() is True  # the scope is over...
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    assert remapping() is False  # ...but the model computes in float16
+    float32_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    kmp.compile(float32_model, optimizer="sgd", loss="mse")
+    assert remapping() is True

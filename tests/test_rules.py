@@ -310,22 +310,18 @@ def test_class_rules_match_user_classes_and_their_subclasses():
     assert [layer.compute_dtype for layer in model.layers] == ["float32", "float32"]
 
 
-@pytest.mark.parametrize("cpu_float16", [False, True])
-def test_float16_convolutions_go_float32_only_where_they_are_slow(
-    cpu_float16, monkeypatch
-):
+@pytest.mark.parametrize("gpu", [False, True])
+def test_float16_convolutions_go_float32_only_on_cpu_only_machines(gpu, monkeypatch):
     from kmp import hardware
 
     machine = hardware.Capabilities(
-        cpu=hardware.CPUInfo(
-            "cpu", 2, frozenset({"avx512_fp16"} if cpu_float16 else set())
-        ),
-        gpus=(),
+        cpu=hardware.CPUInfo("cpu", 2, frozenset({"avx512_fp16"})),
+        gpus=(hardware.GPUInfo("A100", (8, 0)),) if gpu else (),
         tpus=0,
     )
     monkeypatch.setattr(hardware, "capabilities", lambda: machine)
     for policy, expected in (
-        ("mixed_float16", "float16" if cpu_float16 else "float32"),
+        ("mixed_float16", "float16" if gpu else "float32"),
         ("mixed_bfloat16", "bfloat16"),
     ):
         kmp.set_policy(policy)
@@ -334,8 +330,7 @@ def test_float16_convolutions_go_float32_only_where_they_are_slow(
         assert model.get_layer("logits").compute_dtype == _compute(policy)
     kmp.set_policy("mixed_float16")
     report = kmp.precision_report(kmp.prepare(small_cnn()))
-    if not cpu_float16:
-        assert report.row("conv").rule == rules._SLOW_CPU_CONVOLUTION
+    assert (report.row("conv").rule == rules._SLOW_CPU_CONVOLUTION) is (not gpu)
 
 
 def test_class_name_patterns_match_class_names():
