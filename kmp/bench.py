@@ -12,11 +12,11 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+
+from kmp import _runs
 
 BUILTIN_MODELS = ("mlp", "cnn", "transformer")
 WARMUP_STEPS = 2
@@ -145,7 +145,6 @@ def run_one(
     policy and `model.compile` (which wraps the optimizer in Keras's own
     loss-scale optimizer under mixed_float16), for comparison."""
     import resource
-    import time
 
     import keras
     import tensorflow as tf
@@ -169,13 +168,6 @@ def run_one(
         kmp.compile(net, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     x, y = make((steps + WARMUP_STEPS) * batch_size)
 
-    class StepTimes(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
     times: list[float] = []
     history = net.fit(
         x,
@@ -184,7 +176,7 @@ def run_one(
         epochs=1,
         verbose=0,
         shuffle=False,
-        callbacks=[StepTimes()],
+        callbacks=[_runs.step_timer(times)],
     )
     timed = times[WARMUP_STEPS:]
     gpu_peak = None
@@ -204,30 +196,6 @@ def run_one(
         # None: Keras's own loss-scale wrapper keeps no count of skips.
         "skipped_steps": skipped,
     }
-
-
-def _spawn(model, policy, steps, batch_size, seed, timeout, plain_keras) -> dict:
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = json.dumps([model, policy, steps, batch_size, seed, plain_keras])
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys, json, kmp.bench as b; "
-            "print(json.dumps(b.run_one(*json.loads(sys.argv[1]))))",
-            args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"The {policy} run failed in its process:\n{result.stderr[-2000:]}"
-        )
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def run(
@@ -291,7 +259,13 @@ def run(
             if progress:
                 progress(f"[{done}/{total}] {model} under {label} (round {r + 1})")
             runs[label].append(
-                _spawn(model, name, steps, batch_size, seed, timeout, keras)
+                _runs.in_fresh_process(
+                    "kmp.bench:run_one",
+                    [model, name, steps, batch_size, seed, keras],
+                    timeout,
+                    what=label,
+                    show_output=False,
+                )
             )
 
     def median_of(label):

@@ -40,11 +40,6 @@ def _numpy(value: Any) -> Any:
     return keras.ops.convert_to_numpy(value).item()
 
 
-def _kmp_optimizer(model) -> optimizer_lib.LossScaleOptimizer | None:
-    opt = getattr(model, "optimizer", None)
-    return opt if isinstance(opt, optimizer_lib.LossScaleOptimizer) else None
-
-
 def _check_writable_dir(path: str, what: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -176,7 +171,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._warned = False
 
     def on_train_begin(self, logs=None):
-        opt = _kmp_optimizer(self.model)
+        opt = optimizer_lib.of_model(self.model)
         if opt is None and not self._warned:
             logger.warning(
                 "kmp.callbacks.LossScaleMonitor: the model's optimizer is %s, not a "
@@ -233,7 +228,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _record(self) -> None:
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))
-        opt = _kmp_optimizer(self.model)
+        opt = optimizer_lib.of_model(self.model)
         if opt is None:
             record = StepRecord(self._step, self._epoch, loss, None, 0, None)
         else:
@@ -440,7 +435,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self._nonfinite_losses = 0
 
     def _collapsed(self, logs) -> str | None:
-        opt = _kmp_optimizer(self.model)
+        opt = optimizer_lib.of_model(self.model)
         if opt is None:
             loss = (logs or {}).get("loss")
             if loss is None or math.isfinite(float(loss)):
@@ -466,7 +461,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"
 
     def _diagnose(self, cause: str) -> TrainingCollapsedError:
-        opt = _kmp_optimizer(self.model)
+        opt = optimizer_lib.of_model(self.model)
         if cause == "weights":
             name = type(self.model.optimizer).__name__
             return TrainingCollapsedError(

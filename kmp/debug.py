@@ -20,18 +20,10 @@ from kmp import rules
 FLOAT16_MAX = 65504.0
 
 
-def _walk(model: keras.layers.Layer, prefix: str = ""):
-    """Yields (path, layer) for every layer inside `model`, depth first."""
-    for child in rules._children(model):
-        path = f"{prefix}{child.name}"
-        yield path, child
-        yield from _walk(child, path + "/")
-
-
 def _owners(model: keras.layers.Layer) -> dict[int, str]:
     """id(variable) -> path of the innermost layer that owns it."""
     owner: dict[int, str] = {}
-    for path, layer in _walk(model):
+    for path, layer in rules._walk(model):
         for weight in layer.weights:
             owner[id(weight)] = path
     return owner
@@ -73,12 +65,13 @@ class OverflowSources:
 
 
 def _kmp_optimizer(model: keras.Model) -> optimizer_lib.LossScaleOptimizer:
-    opt = getattr(model, "optimizer", None)
-    if not isinstance(opt, optimizer_lib.LossScaleOptimizer):
+    opt = optimizer_lib.of_model(model)
+    if opt is None:
         raise ValueError(
             "Overflow attribution needs the model compiled with a "
             "kmp.LossScaleOptimizer (kmp.compile does that under float16). "
-            f"Received a model whose optimizer is {type(opt).__name__}."
+            "Received a model whose optimizer is "
+            f"{type(getattr(model, 'optimizer', None)).__name__}."
         )
     return opt
 
@@ -600,7 +593,7 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
     target = base if policy is None else policy_lib.get(policy)
     outputs = rules._output_layers(model)
     risks = []
-    for path, layer in _walk(model):
+    for path, layer in rules._walk(model):
         cls = type(layer).__name__
         # A layer on the model's policy moves with it; one set apart keeps its own.
         moves = layer.dtype_policy.name == base.keras_name

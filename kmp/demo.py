@@ -10,11 +10,10 @@ returns data; `kmp.cli` prints it.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
+
+from kmp import _runs
 
 MODELS = ("cnn", "transformer")
 SEED = 0
@@ -86,7 +85,6 @@ def build_model(name: str):
 def train_one(model_name: str, policy: str, epochs: int) -> dict:
     """Trains in this process under `policy`; returns the run as a dict."""
     import resource
-    import time
 
     import keras
     import numpy as np
@@ -111,13 +109,7 @@ def train_one(model_name: str, policy: str, epochs: int) -> dict:
     scaled = kmp.get_policy().needs_loss_scaling
     monitor = kmp.callbacks.LossScaleMonitor() if scaled else None
 
-    class StepTimes(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
+    class Progress(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             print(
                 f"  {policy}: epoch {epoch + 1}/{epochs}  loss {logs['loss']:.4f}  "
@@ -134,7 +126,9 @@ def train_one(model_name: str, policy: str, epochs: int) -> dict:
         epochs=epochs,
         validation_data=(x_val, y_val),
         verbose=0,
-        callbacks=[c for c in (monitor, StepTimes()) if c is not None],
+        callbacks=[
+            c for c in (monitor, _runs.step_timer(times), Progress()) if c is not None
+        ],
     )
     h = history.history
     scales = [r.loss_scale for r in monitor.records] if monitor else []
@@ -183,26 +177,13 @@ def run(
     runs = []
     for policy in policies or policies_to_run():
         print(f"training {model} under {policy} ...", file=sys.stderr, flush=True)
-        env = dict(os.environ)
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import sys, json, kmp.demo as d; "
-                "print(json.dumps(d.train_one(*json.loads(sys.argv[1]))))",
-                json.dumps([model, policy, epochs]),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=None,
-            text=True,
-            timeout=timeout,
-            env=env,
-            check=False,
+        data = _runs.in_fresh_process(
+            "kmp.demo:train_one",
+            [model, policy, epochs],
+            timeout,
+            what=policy,
+            show_output=True,
         )
-        if result.returncode != 0:
-            raise RuntimeError(f"The {policy} run failed (see its output above).")
-        data = json.loads(result.stdout.strip().splitlines()[-1])
         runs.append(
             DemoRun(
                 **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}

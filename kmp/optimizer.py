@@ -257,9 +257,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.add_variable_from_reference(v, name="gradient_accumulator")
                 for v in var_list
             ]
-            self._accumulator_of = {
-                id(v): a for v, a in zip(var_list, self._accumulators, strict=True)
-            }
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
         if self.mode == ls.NONE and policy_lib.get_policy().needs_loss_scaling:
@@ -550,7 +547,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if trainable_variables is None
             else list(trainable_variables)
         )
-        accumulators = [self._accumulator_of[id(v)] for v in variables]
+        accumulators = [
+            self._accumulators[self._variable_index[id(v)]] for v in variables
+        ]
         for accumulator, g in zip(accumulators, grads, strict=True):
             if g is not None:
                 g = tf.convert_to_tensor(g)
@@ -610,6 +609,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def of_model(model: Any) -> LossScaleOptimizer | None:
+    """The model's optimizer if it is a `kmp.LossScaleOptimizer`, else None."""
+    opt = getattr(model, "optimizer", None)
+    return opt if isinstance(opt, LossScaleOptimizer) else None
 
 
 def _agree(flags):

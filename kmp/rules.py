@@ -293,6 +293,14 @@ def _children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     ]
 
 
+def _walk(model: keras.layers.Layer, prefix: str = ""):
+    """Yields (path, layer) for every layer inside `model`, depth first."""
+    for child in _children(model):
+        path = f"{prefix}{child.name}"
+        yield path, child
+        yield from _walk(child, path + "/")
+
+
 def _output_layers(model: keras.layers.Layer) -> set[int]:
     """ids of the layers that produce a model's outputs (through nesting)."""
     found: set[int] = set()
@@ -593,31 +601,23 @@ def precision_report(model: keras.layers.Layer) -> PrecisionReport:
         )
     base = _base_policy(model)
     rows = []
-
-    def walk(container, prefix):
-        for child in _children(container):
-            path = f"{prefix}{child.name}"
-            if not isinstance(child, keras.Model):
-                applied = _applied.get(child)
-                if (
-                    applied is not None
-                    and applied.keras_name == child.dtype_policy.name
-                ):
-                    rule = applied.rule
-                elif _is_explicit(child, base):
-                    rule = "explicit dtype="
-                else:
-                    rule = "policy (kmp.prepare not applied)"
-                rows.append(
-                    LayerPrecision(
-                        path,
-                        type(child).__name__,
-                        child.compute_dtype,
-                        _variable_dtype(child),
-                        rule,
-                    )
-                )
-            walk(child, path + "/")
-
-    walk(model, "")
+    for path, child in _walk(model):
+        if isinstance(child, keras.Model):
+            continue
+        applied = _applied.get(child)
+        if applied is not None and applied.keras_name == child.dtype_policy.name:
+            rule = applied.rule
+        elif _is_explicit(child, base):
+            rule = "explicit dtype="
+        else:
+            rule = "policy (kmp.prepare not applied)"
+        rows.append(
+            LayerPrecision(
+                path,
+                type(child).__name__,
+                child.compute_dtype,
+                _variable_dtype(child),
+                rule,
+            )
+        )
     return PrecisionReport(model.name, base.name, tuple(rows))

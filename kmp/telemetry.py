@@ -40,11 +40,7 @@ class LossScaleTelemetry(keras.metrics.Metric):
         )
 
     def _optimizer(self) -> optimizer_lib.LossScaleOptimizer | None:
-        model = self._model_ref()
-        opt = getattr(model, "optimizer", None) if model is not None else None
-        if isinstance(opt, optimizer_lib.LossScaleOptimizer):
-            return opt
-        return None
+        return optimizer_lib.of_model(self._model_ref())
 
     def update_state(self, *args, **kwargs):
         """Nothing to accumulate: the optimizer holds the state."""
