@@ -23,6 +23,23 @@ from kmp import policy as policy_lib  # noqa: E402
 # float32 references must be float32: no TF32 on GPUs that have it.
 tf.config.experimental.enable_tensor_float_32_execution(False)
 
+_MIRRORED = []
+
+
+def mirrored_strategy() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy over the two logical CPUs for the whole process:
+    each new one would restart the collective-op instance keys on the same
+    device group, and TF 2.21 then mixes up the collectives of different
+    strategies. Tests get it from the `mirrored` fixture."""
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _MIRRORED[0]
+
+
+@pytest.fixture
+def mirrored():
+    return mirrored_strategy()
+
 
 @pytest.fixture(autouse=True)
 def _restore_kmp_state():

@@ -6,6 +6,7 @@ from typing import Any
 
 import keras
 
+from kmp import fused
 from kmp import hardware
 from kmp import policy as policy_lib
 from kmp import rules
@@ -13,7 +14,9 @@ from kmp import telemetry
 from kmp.optimizer import LossScaleOptimizer
 
 
-def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
+def compile(
+    model: keras.Model, *, fused_update: bool | None = None, **compile_kwargs: Any
+) -> keras.Model:
     """Applies kmp's precision rules to `model`, then calls `model.compile`.
 
     Use it in place of `model.compile(...)`: it takes the same arguments and
@@ -23,8 +26,17 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
     policy the optimizer is wrapped in `kmp.LossScaleOptimizer` (unless it
     already is a loss-scale optimizer), so Keras's own wrapper is not used.
 
+    Under a 16-bit policy the float32 weight update is fused by XLA where
+    that helps (`kmp.fused`: machines without GPUs or TPUs): the optimizer
+    is then wrapped in a `kmp.LossScaleOptimizer` also under bfloat16, as a
+    pass-through (mode `'none'`) that only fuses the update.
+
     Args:
         model: The Keras model to compile.
+        fused_update: `None` (default) fuses the optimizer update under a
+            16-bit policy where that helps; `True` fuses it under any policy
+            (float32 too); `False` never. For an optimizer that already is a
+            `kmp.LossScaleOptimizer`, set it there instead.
         **compile_kwargs: Passed to `model.compile` unchanged.
 
     Returns:
@@ -52,11 +64,27 @@ def compile(model: keras.Model, **compile_kwargs: Any) -> keras.Model:
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
     hardware.apply_fast_paths(policy_lib.get(model.dtype_policy).compute_dtype)
+    fused.check_setting(fused_update)
+    policy = policy_lib.get(model.dtype_policy)
     optimizer = compile_kwargs.get("optimizer", "rmsprop")
-    if policy_lib.get(model.dtype_policy).needs_loss_scaling and not isinstance(
-        optimizer, keras.optimizers.LossScaleOptimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if fused_update is not None:
+            raise ValueError(
+                "kmp.compile(fused_update=...) applies when kmp wraps the "
+                "optimizer, but the optimizer is already a "
+                f"{type(optimizer).__name__}. Set it there instead: "
+                "kmp.LossScaleOptimizer(inner, fused_update=...)."
+            )
+    elif policy.needs_loss_scaling:
+        compile_kwargs["optimizer"] = LossScaleOptimizer(
+            optimizer, mode="dynamic", fused_update=fused_update
+        )
+    elif (policy.compute_dtype != "float32" or fused_update) and fused.resolve(
+        fused_update, optimizer
     ):
-        compile_kwargs["optimizer"] = LossScaleOptimizer(optimizer, mode="dynamic")
+        compile_kwargs["optimizer"] = LossScaleOptimizer(
+            optimizer, mode="none", fused_update=fused_update
+        )
     model.compile(**compile_kwargs)
     telemetry.attach(model)
     return model

@@ -15,6 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp import fused
 from kmp import loss_scale as ls
 from kmp import policy as policy_lib
 
@@ -70,6 +71,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mode: `'dynamic'`, `'static'` (fixed scale) or `'none'`. By default
             `'dynamic'` when the global policy computes in float16 and
             `'none'` otherwise.
+        fused_update: Whether the inner optimizer's update runs as one XLA
+            program (`kmp.fused`): the same formulas, with the elementwise
+            passes over the float32 weights fused. `None` (default) fuses on
+            machines without GPUs or TPUs, outside tf.distribute strategies,
+            for Keras's built-in optimizers; `True` or `False` force it
+            (`True` also fuses your own optimizer classes).
         name: The optimizer's name.
 
     Example:
@@ -97,6 +104,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_scale: float = _DEFAULT.max_scale,
         hysteresis: int = _DEFAULT.hysteresis,
         mode: str | None = None,
+        fused_update: bool | None = None,
         name: str | None = None,
         **kwargs: Any,
     ):
@@ -116,8 +124,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}. "
                 "It takes inner_optimizer, initial_scale, growth_factor, "
                 "backoff_factor, growth_interval, min_scale, max_scale, "
-                "hysteresis, mode and name; optimizer settings belong on the "
-                "inner optimizer."
+                "hysteresis, mode, fused_update and name; optimizer settings "
+                "belong on the inner optimizer."
             )
         if isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
@@ -154,6 +162,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
         )
         self.config = config
+        self.fused_update = fused.check_setting(fused_update)
+        # Not tracked: it holds tf.functions, not state.
+        object.__setattr__(self, "_fused_apply", fused.FusedApply(inner_optimizer))
         # Gradient accumulation with loss scaling: an overflow anywhere in a
         # window must skip the whole window, which the inner optimizer's own
         # accumulation cannot do (it has no way to discard a window). kmp
@@ -217,6 +228,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         object.__setattr__(self, f"_{name}", variable)
 
     def build(self, var_list):
+        # An explicit fused_update=True under a strategy fails here, before
+        # any collective is traced (apply checks again for custom loops).
+        fused.resolve(self.fused_update)
         # Per-variable finiteness of the last skipped step's gradients, in
         # `var_list` order: which variables overflowed (kmp.debug reads it).
         self._overflow_flags = self.add_variable(
@@ -424,8 +438,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True
+        fused.resolve(self.fused_update)  # raises for True under a strategy
         if self.mode == ls.NONE:
-            self.inner_optimizer.apply(grads, trainable_variables)
+            self._apply_inner(grads, trainable_variables)
             return tf.constant(True)
         variables = (
             self._trainable_variables
@@ -506,7 +521,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not needs_merge:
 
             def apply_inner():
-                self.inner_optimizer.apply(grads, variables)
+                self._apply_inner(grads, variables)
                 return tf.constant(True)
 
             tf.cond(finite, apply_inner, lambda: tf.constant(False))
@@ -532,6 +547,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return context.merge_call(
             cross_replica, args=(grads, variables, finite, by_variable)
         )
+
+    def _apply_inner(self, grads, variables) -> None:
+        """The inner optimizer's update, fused by XLA where that is on."""
+        if fused.resolve(self.fused_update, self.inner_optimizer):
+            self._fused_apply(grads, variables)
+        else:
+            self.inner_optimizer.apply(grads, variables)
 
     def _accumulate(self, grads, trainable_variables, finite):
         """One micro-batch of a gradient-accumulation window.
@@ -591,6 +613,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_config(self) -> dict[str, Any]:
         config = self.config.get_config()
+        config["fused_update"] = self.fused_update
         config["name"] = self.name
         inner = keras.saving.serialize_keras_object(self.inner_optimizer)
         if self.gradient_accumulation_steps_taken:

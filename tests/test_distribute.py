@@ -8,20 +8,12 @@ import tensorflow as tf
 
 import kmp
 
-DEVICES = ["/cpu:0", "/cpu:1"]
-
-
-_STRATEGY = []
-
 
 def strategy():
-    """One MirroredStrategy for the whole process: each new one would restart
-    the collective-op instance keys on the same device group, and TF 2.21
-    then mixes up the collectives of different strategies."""
     assert len(tf.config.list_logical_devices("CPU")) >= 2, "see conftest.py"
-    if not _STRATEGY:
-        _STRATEGY.append(tf.distribute.MirroredStrategy(DEVICES))
-    return _STRATEGY[0]
+    from conftest import mirrored_strategy
+
+    return mirrored_strategy()
 
 
 def value(variable):

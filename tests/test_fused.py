@@ -1,0 +1,254 @@
+"""The fused (XLA-compiled) optimizer update: same numbers, same skips, used
+where kmp says it is, refused where it cannot run."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import fused
+from kmp import hardware
+
+
+def mlp():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    return x, np.tanh(x.sum(axis=1, keepdims=True))
+
+
+# Every built-in Keras optimizer, with the options that add work to the
+# update (clipping, weight decay, EMA, a schedule, AMSGrad, Nesterov).
+OPTIMIZERS = {
+    "SGD+nesterov": lambda: keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
+    "Adam+clipnorm": lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0),
+    "Adam+amsgrad+ema": lambda: keras.optimizers.Adam(1e-3, amsgrad=True, use_ema=True),
+    "Adam+schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(1e-3, 2, 0.5)
+    ),
+    "AdamW": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05),
+    "Adamax": lambda: keras.optimizers.Adamax(1e-3),
+    "Nadam": lambda: keras.optimizers.Nadam(1e-3),
+    "RMSprop": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.5, centered=True),
+    "Adagrad": lambda: keras.optimizers.Adagrad(1e-2),
+    "Adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "Adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+    "Ftrl": lambda: keras.optimizers.Ftrl(1e-2, l1_regularization_strength=1e-3),
+    "Lamb": lambda: keras.optimizers.Lamb(1e-3),
+    "Lion": lambda: keras.optimizers.Lion(1e-4, global_clipnorm=1.0),
+}
+
+
+def train(make_optimizer, fused_update, policy="mixed_float16", steps=4):
+    kmp.set_policy(policy)
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(
+        make_optimizer(), initial_scale=128, fused_update=fused_update
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data()
+    for i in range(steps):
+        model.train_on_batch(x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)])
+    return model, opt
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_fused_update_computes_what_keras_computes(name):
+    plain_model, plain = train(OPTIMIZERS[name], fused_update=False)
+    fused_model, fast = train(OPTIMIZERS[name], fused_update=True)
+    assert not plain._fused_apply._functions  # the plain path was taken
+    assert fast._fused_apply._functions  # and the fused one here
+    assert int(fast.iterations) == int(plain.iterations) == 4
+    for a, b in zip(
+        plain_model.weights + plain.inner_optimizer.variables,
+        fused_model.weights + fast.inner_optimizer.variables,
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            np.asarray(b, "float64"), np.asarray(a, "float64"), rtol=2e-5, atol=1e-6
+        )
+    # The updates did something (the comparison is not of two unchanged models).
+    assert not np.allclose(plain_model.weights[0].numpy(), mlp().weights[0].numpy())
+
+
+def test_a_skipped_step_changes_nothing_with_the_fused_update():
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), fused_update=True)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(32)
+    model.train_on_batch(x[:16], y[:16])
+    before = [v.numpy() for v in model.weights + opt.inner_optimizer.variables]
+    bad = x[16:].copy()
+    bad[0, 0] = np.inf
+    model.train_on_batch(bad, y[16:])
+    after = [v.numpy() for v in model.weights + opt.inner_optimizer.variables]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.skipped_steps_total) == 1 and int(opt.iterations) == 1
+
+
+def test_sparse_embedding_gradients_are_fused_like_dense_ones():
+    def run(fused_update):
+        kmp.set_policy("mixed_bfloat16")
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(1),
+            ]
+        )
+        opt = kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), fused_update=fused_update
+        )
+        model.compile(optimizer=opt, loss="mse")
+        before = model.layers[0].embeddings.numpy()
+        x = np.arange(40).reshape(8, 5)  # rows 40..49 are never looked up
+        for _ in range(3):
+            model.train_on_batch(x, np.ones((8, 1)))
+        return before, model.layers[0].embeddings.numpy()
+
+    (_, plain), (before, fast) = run(False), run(True)
+    np.testing.assert_allclose(fast, plain, rtol=1e-5, atol=1e-7)
+    assert np.abs(fast[:40] - before[:40]).min() > 0
+    np.testing.assert_array_equal(fast[40:], before[40:])
+
+
+def test_eager_custom_loop_fuses_per_variable_list():
+    kmp.set_policy("mixed_float16")
+    a, b = keras.Variable(np.ones(4, "float32")), keras.Variable(np.ones(3, "float32"))
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), fused_update=True)
+    opt.build([a, b])
+    scale = float(opt.loss_scale)
+    opt.apply([tf.fill((4,), scale), tf.fill((3,), scale)], [a, b])
+    opt.apply([tf.fill((4,), scale)], [a])  # a second list of variables
+    np.testing.assert_allclose(a.numpy(), np.zeros(4))  # 1 - 0.5 - 0.5
+    np.testing.assert_allclose(b.numpy(), np.full(3, 0.5))
+    assert len(opt._fused_apply._functions) == 2
+
+
+def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
+    caps = hardware.capabilities()
+    assert fused.resolve(None) == (not caps.gpus and not caps.tpus)
+    with_gpu = dataclasses.replace(
+        caps, gpus=(hardware.GPUInfo("NVIDIA H100", (9, 0)),)
+    )
+    monkeypatch.setattr(hardware, "capabilities", lambda: with_gpu)
+    assert fused.resolve(None) is False
+    assert fused.resolve(True) is True
+    assert fused.resolve(False) is False
+
+
+def test_kmp_compile_fuses_under_16_bit_policies_where_it_helps(monkeypatch):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    loss = "mse"
+
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss)
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    assert model.optimizer.mode == "none"
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.Adam)
+    model.fit(*data(32), verbose=0)
+    assert model.optimizer._fused_apply._functions
+
+    # Asked not to: the optimizer is left alone.
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=False)
+    assert type(model.optimizer) is keras.optimizers.Adam
+
+    kmp.set_policy("float32")  # float32 is not kmp's business unless asked
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss)
+    assert type(model.optimizer) is keras.optimizers.Adam
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=True)
+    assert model.optimizer.mode == "none" and model.optimizer.fused_update
+
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=False)
+    assert model.optimizer.mode == "dynamic" and model.optimizer.fused_update is False
+
+    monkeypatch.setattr(fused, "default_for_machine", lambda: False)  # a GPU
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp(), optimizer="adam", loss=loss)
+    assert type(model.optimizer) is keras.optimizers.Adam
+
+
+def test_kmp_compile_rejects_bad_fused_update_arguments():
+    kmp.set_policy("mixed_float16")
+    with pytest.raises(TypeError, match=r"fused_update must be None.*'yes'"):
+        kmp.compile(mlp(), optimizer="adam", loss="mse", fused_update="yes")
+    with pytest.raises(ValueError, match="Set it there instead"):
+        kmp.compile(
+            mlp(),
+            optimizer=kmp.LossScaleOptimizer("adam"),
+            loss="mse",
+            fused_update=True,
+        )
+    with pytest.raises(TypeError, match="fused_update must be None"):
+        kmp.LossScaleOptimizer("adam", fused_update=1)
+
+
+def test_fused_update_true_under_a_strategy_is_a_clear_error(mirrored):
+    kmp.set_policy("mixed_float16")
+    with mirrored.scope():
+        model = mlp()
+        opt = kmp.LossScaleOptimizer("sgd", fused_update=True)
+        model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(ValueError, match="fused_update=True cannot be used under"):
+        model.fit(*data(32), verbose=0)
+
+
+def test_default_does_not_fuse_under_a_strategy(monkeypatch, mirrored):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    kmp.set_policy("mixed_float16")
+    with mirrored.scope():
+        model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    model.fit(*data(32), verbose=0)
+    assert not model.optimizer._fused_apply._functions
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_the_setting_survives_saving(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    model.compile(
+        optimizer=kmp.LossScaleOptimizer("adam", fused_update=False), loss="mse"
+    )
+    model.fit(*data(32), verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert keras.saving.load_model(path).optimizer.fused_update is False
+    config = model.optimizer.get_config()
+    assert kmp.LossScaleOptimizer.from_config(config).fused_update is False
+
+
+class MySGD(keras.optimizers.SGD):
+    """A user's optimizer class: its update might use ops XLA cannot compile."""
+
+
+def test_your_own_optimizer_class_is_fused_only_when_asked(monkeypatch):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp(), optimizer=MySGD(0.01), loss="mse")
+    assert type(model.optimizer) is MySGD  # not wrapped: nothing to do
+    model = kmp.compile(mlp(), optimizer=MySGD(0.01), loss="mse", fused_update=True)
+    model.fit(*data(32), verbose=0)
+    assert model.optimizer._fused_apply._functions
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer=MySGD(0.01), loss="mse")
+    model.fit(*data(32), verbose=0)
+    assert not model.optimizer._fused_apply._functions
