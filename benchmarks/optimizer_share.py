@@ -1,7 +1,9 @@
 """How much of a step is the optimizer update? The 3 x Dense(2048) MLP under
 float32 and mixed_bfloat16, with Adam and with plain SGD (one fused-free
 elementwise update instead of Adam's several), in one process, interleaved
-(see _timing.py). A measurement toward issue #5's bfloat16 targets.
+(see _timing.py). A measurement toward issue #5's bfloat16 targets, taken
+with the update as Keras runs it (`fused_update=False`);
+benchmarks/fused_update.py measures what fusing it bought.
 
 Run: python benchmarks/optimizer_share.py [--repeats 5]
 """
@@ -38,6 +40,7 @@ def main():
             model, make = bench.build_model("mlp")
             kmp.compile(
                 model,
+                fused_update=False,  # the update as Keras runs it
                 optimizer=make_optimizer(),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )

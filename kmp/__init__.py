@@ -8,6 +8,7 @@
 from kmp import callbacks
 from kmp import debug
 from kmp import distribute
+from kmp import fused
 from kmp import hardware
 from kmp import telemetry
 from kmp.hardware import doctor
@@ -54,6 +55,7 @@ __all__ = [
     "debug",
     "distribute",
     "doctor",
+    "fused",
     "get_policy",
     "hardware",
     "layer_rules",

@@ -7,29 +7,42 @@ ops (Adam: about a dozen passes over the weights, the moments and the
 gradients); on a CPU those passes are memory-bound, and for a 3 x Dense(2048)
 MLP under bfloat16 they were about a quarter of the step (issue #5). Running
 the same `apply` under `tf.function(jit_compile=True)` lets XLA fuse the
-passes into a few loops over the data: the same formulas, ~3.5x faster here
-(benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does for
-PyTorch AMP, done for any Keras optimizer through TensorFlow's public API.
+passes into a few loops over the data: the same formulas, 3x faster here for
+Adam (benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does
+for PyTorch AMP, done for Keras optimizers through TensorFlow's public API.
 
-Only the update is compiled, not the model: XLA's CPU matmuls do not use
-the bfloat16 matrix units that oneDNN uses, so compiling the whole step
-(`jit_compile=True` in `compile`) is slower under bfloat16.
+Only the update is compiled, not the model: the project's design notes
+measured XLA's CPU matmuls without the bfloat16 matrix units that oneDNN
+uses, so compiling the whole step (`jit_compile=True`) was slower there.
 
 `kmp.LossScaleOptimizer(fused_update=...)` decides: `None` (the default)
-fuses Keras's built-in optimizers (each tested to compute the same numbers
-fused) on machines without GPUs or TPUs (where it was measured), outside
-tf.distribute strategies (an update that all-reduces across replicas cannot
-run inside one XLA program here); `True` and `False` force it, `True` also
-for your own optimizer classes.
+fuses the Keras optimizers in `TESTED` (each tested to compute the same
+numbers fused; not their subclasses) on machines without GPUs or TPUs
+(where it was measured), outside tf.distribute strategies (an update that
+all-reduces across replicas cannot run inside one XLA program here); `True`
+and `False` force it, `True` also for other optimizer classes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from kmp import hardware
+
+# The optimizer classes `fused_update=None` fuses (tests/test_fused.py checks
+# each against its unfused update). Not Muon (its update is mostly matmuls,
+# not elementwise passes; not measured) nor MultiOptimizer (its parts may be
+# any class).
+TESTED = tuple(
+    getattr(keras.optimizers, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
+        "Adadelta", "Adafactor", "Ftrl", "Lamb", "Lion",
+    )
+)  # fmt: skip
 
 
 def default_for_machine() -> bool:
@@ -50,19 +63,18 @@ def check_setting(value: Any) -> bool | None:
     return value
 
 
-def is_builtin(optimizer: Any) -> bool:
-    """Whether `optimizer` is one of Keras's own optimizer classes (or the
-    name of one), which XLA compiles and which kmp's tests cover."""
+def is_tested(optimizer: Any) -> bool:
+    """Whether `optimizer` (or the optimizer a name such as `'adam'` stands
+    for) is of a class in `TESTED` (exactly: not a subclass)."""
     if isinstance(optimizer, str):
-        return True  # keras.optimizers.get resolves it to a built-in class
-    return type(optimizer).__module__.startswith("keras.")
+        optimizer = keras.optimizers.get(optimizer)
+    return type(optimizer) in TESTED
 
 
 def resolve(setting: bool | None, optimizer: Any = None) -> bool:
     """Whether an apply with this `fused_update` setting fuses, here and now
     (called when the update is traced, so it sees the strategy in force).
-    With `setting=None`, a custom optimizer class is not fused: its update
-    may use ops XLA cannot compile."""
+    With `setting=None`, only the classes in `TESTED` are fused."""
     if setting is False:
         return False
     if tf.distribute.has_strategy():
@@ -77,7 +89,7 @@ def resolve(setting: bool | None, optimizer: Any = None) -> bool:
         return False
     if setting:
         return True
-    return default_for_machine() and (optimizer is None or is_builtin(optimizer))
+    return default_for_machine() and (optimizer is None or is_tested(optimizer))
 
 
 class FusedApply:
@@ -101,6 +113,7 @@ class FusedApply:
             def update(grads):
                 optimizer.apply(grads, variables)
 
-            function = tf.function(update, jit_compile=True, autograph=False)
+            # The closure keeps `variables` alive, so their ids stay theirs.
+            function = tf.function(update, jit_compile=True, reduce_retracing=True)
             self._functions[key] = function
         function(list(grads))

@@ -292,7 +292,7 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
             "float32 (float16 CPU convolutions ran 5x slower than float32 on "
             "the project's CPU), and under 16-bit policies kmp.compile fuses "
             "the float32 optimizer update with XLA (kmp.fused: Adam's update "
-            "ran 3.5x faster fused); benchmarks/RESULTS.md."
+            "ran 3x faster fused); benchmarks/RESULTS.md."
         )
         if not caps.cpu.native_bfloat16:
             warnings.append(

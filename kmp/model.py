@@ -27,15 +27,18 @@ def compile(
     already is a loss-scale optimizer), so Keras's own wrapper is not used.
 
     Under a 16-bit policy the float32 weight update is fused by XLA where
-    that helps (`kmp.fused`: machines without GPUs or TPUs): the optimizer
-    is then wrapped in a `kmp.LossScaleOptimizer` also under bfloat16, as a
-    pass-through (mode `'none'`) that only fuses the update.
+    that helps (`kmp.fused`: machines without GPUs or TPUs). So under
+    bfloat16 the optimizer is wrapped too, in a pass-through
+    `kmp.LossScaleOptimizer` (mode `'none'`) that only fuses the update, on
+    every machine alike, so that saved optimizer state stays portable.
 
     Args:
         model: The Keras model to compile.
         fused_update: `None` (default) fuses the optimizer update under a
-            16-bit policy where that helps; `True` fuses it under any policy
-            (float32 too); `False` never. For an optimizer that already is a
+            16-bit policy where that helps (Keras optimizers of the classes
+            in `kmp.fused.TESTED`); `True` fuses it under any policy (float32
+            too); `False` never, and under bfloat16 leaves the optimizer
+            unwrapped. For an optimizer that already is a
             `kmp.LossScaleOptimizer`, set it there instead.
         **compile_kwargs: Passed to `model.compile` unchanged.
 
@@ -60,31 +63,39 @@ def compile(
             "kmp.compile() expects a keras.Model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    fused.check_setting(fused_update)
+    optimizer = compile_kwargs.get("optimizer", "rmsprop")
+    wrapped = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if wrapped and fused_update is not None:
+        raise ValueError(
+            "kmp.compile(fused_update=...) applies when kmp wraps the "
+            "optimizer, but the optimizer is already a "
+            f"{type(optimizer).__name__}. Set it there instead: "
+            "kmp.LossScaleOptimizer(inner, fused_update=...)."
+        )
     rules.prepare(model)
+    policy = policy_lib.get(model.dtype_policy)
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
-    hardware.apply_fast_paths(policy_lib.get(model.dtype_policy).compute_dtype)
-    fused.check_setting(fused_update)
-    policy = policy_lib.get(model.dtype_policy)
-    optimizer = compile_kwargs.get("optimizer", "rmsprop")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if fused_update is not None:
-            raise ValueError(
-                "kmp.compile(fused_update=...) applies when kmp wraps the "
-                "optimizer, but the optimizer is already a "
-                f"{type(optimizer).__name__}. Set it there instead: "
-                "kmp.LossScaleOptimizer(inner, fused_update=...)."
-            )
-    elif policy.needs_loss_scaling:
-        compile_kwargs["optimizer"] = LossScaleOptimizer(
-            optimizer, mode="dynamic", fused_update=fused_update
-        )
-    elif (policy.compute_dtype != "float32" or fused_update) and fused.resolve(
-        fused_update, optimizer
-    ):
-        compile_kwargs["optimizer"] = LossScaleOptimizer(
-            optimizer, mode="none", fused_update=fused_update
-        )
+    hardware.apply_fast_paths(policy.compute_dtype)
+    if not wrapped:
+        compile_kwargs["optimizer"] = _wrap(optimizer, policy, fused_update)
     model.compile(**compile_kwargs)
     telemetry.attach(model)
     return model
+
+
+def _wrap(optimizer: Any, policy: policy_lib.Policy, fused_update: bool | None):
+    """The optimizer `kmp.compile` hands to Keras for this policy."""
+    if policy.needs_loss_scaling:
+        return LossScaleOptimizer(optimizer, mode="dynamic", fused_update=fused_update)
+    if fused_update or (
+        fused_update is None
+        and policy.compute_dtype == "bfloat16"
+        and fused.is_tested(optimizer)
+    ):
+        # A pass-through that only fuses the update. The wrapping does not
+        # depend on the machine (saved optimizer variables stay portable);
+        # whether the update is fused is decided when it is traced.
+        return LossScaleOptimizer(optimizer, mode="none", fused_update=fused_update)
+    return optimizer

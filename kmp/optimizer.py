@@ -613,7 +613,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_config(self) -> dict[str, Any]:
         config = self.config.get_config()
-        config["fused_update"] = self.fused_update
+        if self.fused_update is not None:  # older kmp versions can read it
+            config["fused_update"] = self.fused_update
         config["name"] = self.name
         inner = keras.saving.serialize_keras_object(self.inner_optimizer)
         if self.gradient_accumulation_steps_taken:

@@ -53,6 +53,10 @@ OPTIMIZERS = {
 }
 
 
+def test_every_class_fused_by_default_is_checked_here():
+    assert {type(make()) for make in OPTIMIZERS.values()} == set(fused.TESTED)
+
+
 def train(make_optimizer, fused_update, policy="mixed_float16", steps=4):
     kmp.set_policy(policy)
     model = mlp()
@@ -119,15 +123,17 @@ def test_sparse_embedding_gradients_are_fused_like_dense_ones():
         )
         model.compile(optimizer=opt, loss="mse")
         before = model.layers[0].embeddings.numpy()
-        x = np.arange(40).reshape(8, 5)  # rows 40..49 are never looked up
-        for _ in range(3):
+        for step in range(3):  # different rows each step; 45..49 never
+            x = (np.arange(40).reshape(8, 5) + 3 * step) % 45
             model.train_on_batch(x, np.ones((8, 1)))
-        return before, model.layers[0].embeddings.numpy()
+        return opt, before, model.layers[0].embeddings.numpy()
 
-    (_, plain), (before, fast) = run(False), run(True)
+    (_, _, plain), (opt, before, fast) = run(False), run(True)
+    (function,) = opt._fused_apply._functions.values()
+    assert "IndexedSlices" in function.pretty_printed_concrete_signatures()
     np.testing.assert_allclose(fast, plain, rtol=1e-5, atol=1e-7)
-    assert np.abs(fast[:40] - before[:40]).min() > 0
-    np.testing.assert_array_equal(fast[40:], before[40:])
+    assert np.abs(fast[:45] - before[:45]).min() > 0
+    np.testing.assert_array_equal(fast[45:], before[45:])
 
 
 def test_eager_custom_loop_fuses_per_variable_list():
@@ -141,6 +147,11 @@ def test_eager_custom_loop_fuses_per_variable_list():
     np.testing.assert_allclose(a.numpy(), np.zeros(4))  # 1 - 0.5 - 0.5
     np.testing.assert_allclose(b.numpy(), np.full(3, 0.5))
     assert len(opt._fused_apply._functions) == 2
+    for _ in range(5):  # more eager steps reuse the traced programs
+        opt.apply([tf.zeros((4,)), tf.zeros((3,))], [a, b])
+    assert [
+        f.experimental_get_tracing_count() for f in opt._fused_apply._functions.values()
+    ] == [1, 1]
 
 
 def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
@@ -155,8 +166,9 @@ def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
     assert fused.resolve(False) is False
 
 
-def test_kmp_compile_fuses_under_16_bit_policies_where_it_helps(monkeypatch):
-    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+@pytest.mark.parametrize("machine_fuses", [True, False])
+def test_kmp_compile_wraps_alike_on_every_machine(monkeypatch, machine_fuses):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: machine_fuses)
     loss = "mse"
 
     kmp.set_policy("mixed_bfloat16")
@@ -165,7 +177,8 @@ def test_kmp_compile_fuses_under_16_bit_policies_where_it_helps(monkeypatch):
     assert model.optimizer.mode == "none"
     assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.Adam)
     model.fit(*data(32), verbose=0)
-    assert model.optimizer._fused_apply._functions
+    # Fused only where the machine calls for it; wrapped everywhere.
+    assert bool(model.optimizer._fused_apply._functions) == machine_fuses
 
     # Asked not to: the optimizer is left alone.
     model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=False)
@@ -181,10 +194,42 @@ def test_kmp_compile_fuses_under_16_bit_policies_where_it_helps(monkeypatch):
     model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=False)
     assert model.optimizer.mode == "dynamic" and model.optimizer.fused_update is False
 
-    monkeypatch.setattr(fused, "default_for_machine", lambda: False)  # a GPU
+
+def test_bfloat16_pass_through_computes_what_keras_computes():
     kmp.set_policy("mixed_bfloat16")
-    model = kmp.compile(mlp(), optimizer="adam", loss=loss)
-    assert type(model.optimizer) is keras.optimizers.Adam
+    x, y = data()
+    models = []
+    for fused_update in (False, True):
+        model = kmp.compile(
+            mlp(), optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+            fused_update=fused_update,
+        )  # fmt: skip
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+        models.append(model)
+    plain, fast = models
+    assert type(plain.optimizer) is keras.optimizers.Adam
+    assert fast.optimizer._fused_apply._functions
+    for a, b in zip(plain.weights, fast.weights, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_is_fused_like_unfused():
+    def run(fused_update):
+        kmp.set_policy("mixed_float16")
+        model = mlp()
+        inner = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2)
+        opt = kmp.LossScaleOptimizer(
+            inner, initial_scale=128, fused_update=fused_update
+        )
+        model.compile(optimizer=opt, loss="mse")
+        x, y = data()
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        return model, opt
+
+    (plain, _), (fast, opt) = run(False), run(True)
+    assert opt._fused_apply._functions and int(opt.iterations) == 4
+    for a, b in zip(plain.weights, fast.weights, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=1e-6)
 
 
 def test_kmp_compile_rejects_bad_fused_update_arguments():
@@ -214,12 +259,17 @@ def test_fused_update_true_under_a_strategy_is_a_clear_error(mirrored):
 
 def test_default_does_not_fuse_under_a_strategy(monkeypatch, mirrored):
     monkeypatch.setattr(fused, "default_for_machine", lambda: True)
-    kmp.set_policy("mixed_float16")
+    # bfloat16: the pass-through applies in replica context, where the
+    # fusion is decided (float16 under Mirrored applies via merge_call).
+    kmp.set_policy("mixed_bfloat16")
     with mirrored.scope():
         model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    assert model.optimizer.mode == "none"
+    before = model.layers[0].kernel.numpy()
     model.fit(*data(32), verbose=0)
     assert not model.optimizer._fused_apply._functions
     assert int(model.optimizer.iterations.numpy()) == 1
+    assert not np.array_equal(model.layers[0].kernel.numpy(), before)
 
 
 def test_the_setting_survives_saving(tmp_path):
@@ -234,6 +284,11 @@ def test_the_setting_survives_saving(tmp_path):
     assert keras.saving.load_model(path).optimizer.fused_update is False
     config = model.optimizer.get_config()
     assert kmp.LossScaleOptimizer.from_config(config).fused_update is False
+    config["fused_update"] = True
+    assert kmp.LossScaleOptimizer.from_config(config).fused_update is True
+    del config["fused_update"]  # as kmp wrote it before the setting existed
+    assert kmp.LossScaleOptimizer.from_config(config).fused_update is None
+    assert "fused_update" not in kmp.LossScaleOptimizer("sgd").get_config()
 
 
 class MySGD(keras.optimizers.SGD):
@@ -242,6 +297,8 @@ class MySGD(keras.optimizers.SGD):
 
 def test_your_own_optimizer_class_is_fused_only_when_asked(monkeypatch):
     monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    assert not fused.is_tested(keras.optimizers.Muon())  # untested classes
+    assert fused.is_tested("adam") and fused.is_tested(keras.optimizers.Lion())
     kmp.set_policy("mixed_bfloat16")
     model = kmp.compile(mlp(), optimizer=MySGD(0.01), loss="mse")
     assert type(model.optimizer) is MySGD  # not wrapped: nothing to do
