@@ -12,6 +12,7 @@ All variants in one process, interleaved (see _timing.py); CPU time by
 default (steadier on shared cores), wall time with --clock wall.
 
 Run: python benchmarks/fused_update.py [--repeats 5] [--clock cpu|wall]
+     [--model mlp|cnn|transformer] [--skip-update-alone]
 """
 
 import argparse
@@ -56,7 +57,9 @@ def update_alone(repeats: int, clock) -> dict:
     return result
 
 
-def end_to_end(repeats: int, steps: int, batch_size: int, clock) -> dict:
+def end_to_end(
+    model_name: str, repeats: int, steps: int, batch_size: int, clock
+) -> dict:
     # Every variant goes through kmp.compile, so that only the policy and
     # the fusion differ.
     variants = {
@@ -65,10 +68,10 @@ def end_to_end(repeats: int, steps: int, batch_size: int, clock) -> dict:
         "mixed_bfloat16 (update not fused)": ("mixed_bfloat16", True, False),
         "mixed_bfloat16 (kmp.compile)": ("mixed_bfloat16", True, None),
     }
-    runs = {}
+    runs, first_call_s = {}, {}
     for name, (policy, use_kmp, fused_update) in variants.items():
         kmp.set_policy(policy)
-        model, make = bench.build_model("mlp")
+        model, make = bench.build_model(model_name)
         kwargs = dict(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -78,12 +81,16 @@ def end_to_end(repeats: int, steps: int, batch_size: int, clock) -> dict:
         else:
             model.compile(**kwargs)
         x, y = make(steps * batch_size)
+        start = time.perf_counter()  # tracing and (XLA) compiling included
         model.fit(x[:batch_size], y[:batch_size], verbose=0)
+        first_call_s[name] = round(time.perf_counter() - start, 2)
         runs[name] = lambda m=model, x=x, y=y: m.fit(
             x, y, batch_size=batch_size, verbose=0
         )
     kmp.set_policy("float32")
-    return summary(interleaved(runs, repeats, clock), steps, "float32")
+    result = summary(interleaved(runs, repeats, clock), steps, "float32")
+    result["first_call_wall_s"] = first_call_s
+    return result
 
 
 def main():
@@ -92,14 +99,24 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument(
+        "--model", choices=bench.BUILTIN_MODELS, default="mlp", help="end to end"
+    )
+    parser.add_argument(
+        "--skip-update-alone", action="store_true", help="only the end-to-end part"
+    )
     args = parser.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     result = {
         "benchmark": "fused_update",
-        "model": "mlp",
+        "model": args.model,
         "clock": args.clock,
-        "update_alone": update_alone(args.repeats, clock),
-        "end_to_end": end_to_end(args.repeats, args.steps, args.batch_size, clock),
+        "update_alone": None
+        if args.skip_update_alone
+        else update_alone(args.repeats, clock),
+        "end_to_end": end_to_end(
+            args.model, args.repeats, args.steps, args.batch_size, clock
+        ),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
     }

@@ -376,10 +376,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
       input the most (exploding weights make their neighbours' gradients
       overflow).
 
-    Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32) it
-    acts after `max_consecutive_skips` non-finite losses in a row. With
-    another optimizer (no skipping) it acts when the loss is non-finite and
-    the weights have become inf/NaN.
+    Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32:
+    every step is applied) it acts when the loss is non-finite and the
+    weights have become inf/NaN, or after `max_consecutive_skips` non-finite
+    losses in a row. With another optimizer (no skipping) it acts when the
+    loss is non-finite and the weights have become inf/NaN.
 
     Put it after a `LossScaleMonitor` in the callbacks list so that the
     monitor records the last step before the guard stops the run.
@@ -440,13 +441,13 @@ class NonFiniteGuard(keras.callbacks.Callback):
             loss = (logs or {}).get("loss")
             if loss is None or math.isfinite(float(loss)):
                 return None
-            weights_finite = all(
-                bool(np.isfinite(keras.ops.convert_to_numpy(w)).all())
-                for w in self.model.weights
-            )
-            return None if weights_finite else "weights"
+            return None if self._weights_finite() else "weights"
         if opt.mode == "none":
+            # Every step is applied: a non-finite one poisons the weights at
+            # once, which is then the cause to report.
             finite = _numpy(opt.last_loss_finite)
+            if not finite and not self._weights_finite():
+                return "weights"
             self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
             if self._nonfinite_losses >= self.max_consecutive_skips:
                 return "forward"
@@ -460,15 +461,33 @@ class NonFiniteGuard(keras.callbacks.Callback):
             return None
         return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"
 
+    def _weights_finite(self) -> bool:
+        return all(
+            bool(np.isfinite(keras.ops.convert_to_numpy(w)).all())
+            for w in self.model.weights
+        )
+
     def _diagnose(self, cause: str) -> TrainingCollapsedError:
         opt = optimizer_lib.of_model(self.model)
         if cause == "weights":
+            if opt is not None:  # mode 'none': no loss scaling, no skipping
+                advice = (
+                    "kmp.LossScaleOptimizer in mode 'none' (no loss scaling, "
+                    "as under bfloat16 or float32) applies every step. Find "
+                    "the layer with kmp.debug.find_nonfinite(model, x) on the "
+                    "failing batch; lower the learning rate or clip gradients "
+                    "(global_clipnorm on the inner optimizer)."
+                )
+            else:
+                advice = (
+                    "Use kmp.compile or a kmp.LossScaleOptimizer, which skips "
+                    "such steps."
+                )
             name = type(self.model.optimizer).__name__
             return TrainingCollapsedError(
                 "Training collapsed: the loss is inf/NaN and the weights have "
-                f"become inf/NaN (the optimizer, {name}, "
-                "applied a non-finite step). Use kmp.compile or a "
-                "kmp.LossScaleOptimizer, which skips such steps.",
+                f"become inf/NaN (the optimizer, {name}, applied a non-finite "
+                f"step). {advice}",
                 cause,
                 (),
             )

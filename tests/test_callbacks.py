@@ -253,3 +253,28 @@ def test_monitor_keeps_its_records_when_the_guard_stops_the_run(tmp_path):
     assert rows[-1]["overflow_layers"].startswith("forward overflow")
     monitor.plot(tmp_path / "after.png")
     assert png_size(tmp_path / "after.png") == (800, 500)
+
+
+def test_guard_under_a_bfloat16_pass_through_names_poisoned_weights_at_once():
+    kmp.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kmp.compile(model, optimizer=kmp.LossScaleOptimizer("sgd"), loss="mse")
+    assert model.optimizer.mode == "none"
+    x = np.ones((64, 2), "float32")
+    x[8] = np.nan  # batch 1: the pass-through applies it, the weights go NaN
+    guard = NonFiniteGuard(max_consecutive_skips=5)
+    steps = []
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append(batch)
+    )
+    with pytest.raises(TrainingCollapsedError, match="mode 'none'") as info:
+        model.fit(
+            x,
+            np.ones((64, 1)),
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
+            callbacks=[counter, guard],
+        )
+    assert info.value.cause == "weights"
+    assert steps == [0, 1]  # at the poisoned step, not max_consecutive_skips later
