@@ -39,7 +39,9 @@ def data(n=64, seed=0):
 OPTIMIZERS = {
     "SGD+nesterov": lambda: keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
     "Adam+clipnorm": lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0),
-    "Adam+amsgrad+ema": lambda: keras.optimizers.Adam(1e-3, amsgrad=True, use_ema=True),
+    "Adam+amsgrad+ema": lambda: keras.optimizers.Adam(
+        1e-3, amsgrad=True, use_ema=True, ema_overwrite_frequency=2
+    ),
     "Adam+schedule": lambda: keras.optimizers.Adam(
         keras.optimizers.schedules.ExponentialDecay(1e-3, 2, 0.5)
     ),
@@ -338,3 +340,36 @@ def test_a_saved_bfloat16_model_loads_without_kmp_for_serving(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
+
+
+def test_a_learning_rate_set_between_steps_reaches_the_fused_update():
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(
+        mlp(), optimizer=keras.optimizers.SGD(0.1), loss="mse", fused_update=True
+    )
+    x, y = data(32)
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.optimizer.learning_rate = 0.0  # as ReduceLROnPlateau sets it
+    assert float(model.optimizer.inner_optimizer.learning_rate) == 0.0
+    before = [w.numpy() for w in model.weights]
+    model.fit(x, y, batch_size=16, verbose=0)
+    for b, w in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(w.numpy(), b)
+    assert int(model.optimizer.iterations) == 4
+
+
+def test_steps_per_execution_runs_the_fused_update_every_step():
+    def run(fused_update):
+        kmp.set_policy("mixed_bfloat16")
+        model = mlp()
+        model = kmp.compile(
+            model, optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+            fused_update=fused_update, steps_per_execution=4,
+        )  # fmt: skip
+        model.fit(*data(), batch_size=8, verbose=0, shuffle=False)
+        return model
+
+    plain, fast = run(False), run(True)
+    assert int(fast.optimizer.iterations) == 8
+    for a, b in zip(plain.weights, fast.weights, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=1e-6)
