@@ -12,8 +12,12 @@ Adam (benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does
 for PyTorch AMP, done for Keras optimizers through TensorFlow's public API.
 
 Only the update is compiled, not the model: the project's design notes
-measured XLA's CPU matmuls without the bfloat16 matrix units that oneDNN
+found that XLA's CPU matmuls do not use the bfloat16 matrix units oneDNN
 uses, so compiling the whole step (`jit_compile=True`) was slower there.
+That is also why kmp fuses by default only on machines without GPUs or
+TPUs: on a GPU machine Keras's `jit_compile="auto"` (the default) already
+compiles the whole training step with XLA, update included, while on a
+CPU-only machine it turns XLA off.
 
 `kmp.LossScaleOptimizer(fused_update=...)` decides: `None` (the default)
 fuses the Keras optimizers in `TESTED` (each tested to compute the same

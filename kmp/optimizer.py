@@ -73,10 +73,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `'none'` otherwise.
         fused_update: Whether the inner optimizer's update runs as one XLA
             program (`kmp.fused`): the same formulas, with the elementwise
-            passes over the float32 weights fused. `None` (default) fuses on
-            machines without GPUs or TPUs, outside tf.distribute strategies,
-            for Keras's built-in optimizers; `True` or `False` force it
-            (`True` also fuses your own optimizer classes).
+            passes over the float32 weights fused. `None` (default) fuses
+            the Keras optimizer classes in `kmp.fused.TESTED` on machines
+            without GPUs or TPUs, outside tf.distribute strategies; `True`
+            or `False` force it (`True` also fuses other classes, such as
+            your own).
         name: The optimizer's name.
 
     Example:
