@@ -26,19 +26,16 @@ tf.config.experimental.enable_tensor_float_32_execution(False)
 _MIRRORED = []
 
 
-def mirrored_strategy() -> tf.distribute.MirroredStrategy:
+@pytest.fixture
+def mirrored() -> tf.distribute.MirroredStrategy:
     """One MirroredStrategy over the two logical CPUs for the whole process:
     each new one would restart the collective-op instance keys on the same
     device group, and TF 2.21 then mixes up the collectives of different
-    strategies. Tests get it from the `mirrored` fixture."""
+    strategies."""
+    assert len(tf.config.list_logical_devices("CPU")) >= 2
     if not _MIRRORED:
         _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
     return _MIRRORED[0]
-
-
-@pytest.fixture
-def mirrored():
-    return mirrored_strategy()
 
 
 @pytest.fixture(autouse=True)

@@ -9,13 +9,6 @@ import tensorflow as tf
 import kmp
 
 
-def strategy():
-    assert len(tf.config.list_logical_devices("CPU")) >= 2, "see conftest.py"
-    from conftest import mirrored_strategy
-
-    return mirrored_strategy()
-
-
 def value(variable):
     return keras.ops.convert_to_numpy(variable).item()
 
@@ -58,7 +51,7 @@ def replica_values(variable):
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_fit_under_mirrored_strategy(policy, jit_compile):
+def test_fit_under_mirrored_strategy(policy, jit_compile, mirrored):
     x, y = regression()
     if jit_compile and len(tf.config.list_physical_devices("GPU")) < 2:
         # Checked by hand: plain Keras (float32, no kmp) fails the same way,
@@ -69,7 +62,7 @@ def test_fit_under_mirrored_strategy(policy, jit_compile):
             "(tfvariable_on_a_different_device, plain Keras too); it needs two "
             "GPUs."
         )
-    with strategy().scope():
+    with mirrored.scope():
         model = build(policy, jit_compile=jit_compile)
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -77,10 +70,10 @@ def test_fit_under_mirrored_strategy(policy, jit_compile):
     assert kmp.distribute.verify_replicas(model.optimizer) == 2
 
 
-def test_a_nan_on_one_replica_skips_the_step_on_every_replica():
+def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):
     x, y = regression(32)
     x[12, 0] = np.nan  # batch 0 = rows 0-15: rows 8-15 go to replica 1
-    with strategy().scope():
+    with mirrored.scope():
         model = build("mixed_float16")
     before = [replica_values(w) for w in model.weights] if model.built else None
     model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)
@@ -97,9 +90,9 @@ def test_a_nan_on_one_replica_skips_the_step_on_every_replica():
     assert value(opt.iterations) == 1
 
 
-def test_distributed_training_matches_one_device():
+def test_distributed_training_matches_one_device(mirrored):
     x, y = regression(64)
-    with strategy().scope():
+    with mirrored.scope():
         mirrored = build("mixed_float16")
     single = build("mixed_float16")
     for model in (mirrored, single):
@@ -109,8 +102,8 @@ def test_distributed_training_matches_one_device():
     assert value(mirrored.optimizer.loss_scale) == value(single.optimizer.loss_scale)
 
 
-def test_scaled_gradient_tape_loop_with_strategy_run():
-    dist = strategy()
+def test_scaled_gradient_tape_loop_with_strategy_run(mirrored):
+    dist = mirrored
     x, y = regression(32)
     x[20, 1] = np.inf  # in the second batch, on replica 1
     with dist.scope():
@@ -144,10 +137,10 @@ def test_scaled_gradient_tape_loop_with_strategy_run():
     assert kmp.distribute.verify_replicas(opt) == 2
 
 
-def test_checkpoint_from_a_strategy_restores_on_one_device(tmp_path):
+def test_checkpoint_from_a_strategy_restores_on_one_device(tmp_path, mirrored):
     x, y = regression(64)
     x[3, 0] = np.inf
-    with strategy().scope():
+    with mirrored.scope():
         model = build("mixed_float16")
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
@@ -163,8 +156,8 @@ def test_checkpoint_from_a_strategy_restores_on_one_device(tmp_path):
     assert value(single.optimizer.skipped_steps_total) == 1  # precondition
 
 
-def test_verify_replicas_raises_when_replicas_disagree():
-    with strategy().scope():
+def test_verify_replicas_raises_when_replicas_disagree(mirrored):
+    with mirrored.scope():
         opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
     value = opt.loss_scale.value
     value._distribute_strategy.experimental_local_results(value)[1].assign(3.0)
@@ -172,8 +165,8 @@ def test_verify_replicas_raises_when_replicas_disagree():
         kmp.distribute.verify_replicas(opt)
 
 
-def test_gradient_accumulation_under_a_strategy_is_refused_clearly():
-    with strategy().scope():
+def test_gradient_accumulation_under_a_strategy_is_refused_clearly(mirrored):
+    with mirrored.scope():
         kmp.set_policy("mixed_float16")
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         opt = kmp.LossScaleOptimizer(
