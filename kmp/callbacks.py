@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from kmp import debug
 from kmp import optimizer as optimizer_lib
+from kmp import policy as policy_lib
 
 logger = logging.getLogger("kmp")
 
@@ -170,13 +171,19 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_logs: dict = {}
         self._warned = False
 
-    def on_train_begin(self, logs=None):
+    def _scaling_optimizer(self):
+        """The model's kmp.LossScaleOptimizer, if it scales the loss."""
         opt = optimizer_lib.of_model(self.model)
+        return None if opt is None or opt.mode == "none" else opt
+
+    def on_train_begin(self, logs=None):
+        opt = self._scaling_optimizer()
         if opt is None and not self._warned:
             logger.warning(
-                "kmp.callbacks.LossScaleMonitor: the model's optimizer is %s, not a "
-                "kmp.LossScaleOptimizer; logging the loss only, scale telemetry "
-                "is unavailable.",
+                "kmp.callbacks.LossScaleMonitor: the model's optimizer (%s) "
+                "does not scale the loss (it is not a kmp.LossScaleOptimizer, "
+                "or one in mode 'none', as under bfloat16); logging the loss "
+                "only.",
                 type(getattr(self.model, "optimizer", None)).__name__,
             )
             self._warned = True
@@ -228,7 +235,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _record(self) -> None:
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))
-        opt = optimizer_lib.of_model(self.model)
+        opt = self._scaling_optimizer()
         if opt is None:
             record = StepRecord(self._step, self._epoch, loss, None, 0, None)
         else:
@@ -470,20 +477,23 @@ class NonFiniteGuard(keras.callbacks.Callback):
     def _diagnose(self, cause: str) -> TrainingCollapsedError:
         opt = optimizer_lib.of_model(self.model)
         if cause == "weights":
-            if opt is not None:  # mode 'none': no loss scaling, no skipping
-                advice = (
-                    "kmp.LossScaleOptimizer in mode 'none' (no loss scaling, "
-                    "as under bfloat16 or float32) applies every step. Find "
-                    "the layer with kmp.debug.find_nonfinite(model, x) on the "
-                    "failing batch; lower the learning rate or clip gradients "
-                    "(global_clipnorm on the inner optimizer)."
-                )
-            else:
+            if policy_lib.get(self.model.dtype_policy).needs_loss_scaling:
                 advice = (
                     "Use kmp.compile or a kmp.LossScaleOptimizer, which skips "
                     "such steps."
                 )
-            name = type(self.model.optimizer).__name__
+            else:
+                advice = (
+                    "Without loss scaling (bfloat16, float32) every step is "
+                    "applied, also a non-finite one. Restore the weights from "
+                    "before the collapse (a checkpoint, or "
+                    "keras.callbacks.BackupAndRestore), find the layer with "
+                    "kmp.debug.find_nonfinite(model, x) on the failing batch, "
+                    "and lower the learning rate or clip gradients "
+                    "(global_clipnorm on the optimizer)."
+                )
+            name = type(getattr(opt, "inner_optimizer", self.model.optimizer))
+            name = name.__name__
             return TrainingCollapsedError(
                 "Training collapsed: the loss is inf/NaN and the weights have "
                 f"become inf/NaN (the optimizer, {name}, applied a non-finite "
@@ -542,11 +552,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
         return TrainingCollapsedError(f"{head}\n{body}", cause, layers)
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.diagnosis is not None and self.on_collapse == "warn":
+            return  # said once; no more per-step checks
         cause = self._collapsed(logs)
         if cause is None:
             return
-        if self.diagnosis is not None and self.on_collapse == "warn":
-            return  # said once
         self.diagnosis = self._diagnose(cause)
         if self.on_collapse == "raise":
             raise self.diagnosis

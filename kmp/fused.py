@@ -11,20 +11,22 @@ passes into a few loops over the data: the same formulas, 3x faster here for
 Adam (benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does
 for PyTorch AMP, done for Keras optimizers through TensorFlow's public API.
 
-Only the update is compiled, not the model: the project's design notes
-found that XLA's CPU matmuls do not use the bfloat16 matrix units oneDNN
-uses, so compiling the whole step (`jit_compile=True`) was slower there.
+Only the update is compiled, not the model: compiling the whole bfloat16
+step with XLA (`jit_compile=True`) loses oneDNN's bfloat16 matmuls: it ran
+1.7x slower than fusing only the update here (benchmarks/RESULTS.md).
 That is also why kmp fuses by default only on machines without GPUs or
-TPUs: on a GPU machine Keras's `jit_compile="auto"` (the default) already
-compiles the whole training step with XLA, update included, while on a
-CPU-only machine it turns XLA off.
+TPUs: on a GPU machine Keras's `jit_compile="auto"` (the default) compiles
+the whole training step with XLA, update included, when every layer
+supports it, while on a CPU-only machine it turns XLA off.
 
-`kmp.LossScaleOptimizer(fused_update=...)` decides: `None` (the default)
-fuses the Keras optimizers in `TESTED` (each tested to compute the same
-numbers fused; not their subclasses) on machines without GPUs or TPUs
-(where it was measured), outside tf.distribute strategies (an update that
-all-reduces across replicas cannot run inside one XLA program here); `True`
-and `False` force it, `True` also for other optimizer classes.
+`kmp.LossScaleOptimizer(fused_update=...)` decides, under any policy:
+`None` (the default) fuses the Keras optimizers in `TESTED` (each tested to
+compute the same numbers fused; not their subclasses) on machines without
+GPUs or TPUs (where it was measured), outside tf.distribute strategies (an
+update that all-reduces across replicas cannot run inside one XLA program
+here) and unless op determinism is enabled (as Keras, which then keeps XLA
+off); `True` and `False` force it, `True` also for other optimizer classes.
+`kmp.compile` adds such a wrapper by itself only under 16-bit policies.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def check_setting(value: Any) -> bool | None:
     return value
 
 
+def _op_determinism_enabled() -> bool:
+    # TensorFlow has no public getter; Keras reads the same function.
+    try:
+        from tensorflow.python.framework import config
+    except ImportError:  # pragma: no cover - a TensorFlow without it
+        return False
+    return bool(config.is_op_determinism_enabled())
+
+
 def is_tested(optimizer: Any) -> bool:
     """Whether `optimizer` (or the optimizer a name such as `'adam'` stands
     for) is of a class in `TESTED` (exactly: not a subclass)."""
@@ -88,12 +99,19 @@ def resolve(setting: bool | None, optimizer: Any = None) -> bool:
                 f"strategy ({type(tf.distribute.get_strategy()).__name__}): "
                 "the update all-reduces the gradients across replicas, which "
                 "cannot run inside one XLA program. Pass fused_update=None "
-                "(the default, which does not fuse under a strategy) or False."
+                "(the default, which does not fuse under a strategy) or False; "
+                "for a loaded model, set model.optimizer.fused_update = None "
+                "before training, or load it with compile=False and compile "
+                "it again."
             )
         return False
     if setting:
         return True
-    return default_for_machine() and (optimizer is None or is_tested(optimizer))
+    return (
+        default_for_machine()
+        and not _op_determinism_enabled()
+        and (optimizer is None or is_tested(optimizer))
+    )
 
 
 class FusedApply:

@@ -28,9 +28,10 @@ def compile(
 
     Under a 16-bit policy the float32 weight update is fused by XLA where
     that helps (`kmp.fused`: machines without GPUs or TPUs). So under
-    bfloat16 the optimizer is wrapped too, in a pass-through
-    `kmp.LossScaleOptimizer` (mode `'none'`) that only fuses the update, on
-    every machine alike, so that saved optimizer state stays portable.
+    bfloat16 an optimizer of a class in `kmp.fused.TESTED` is wrapped too,
+    in a pass-through `kmp.LossScaleOptimizer` (mode `'none'`) that only
+    fuses the update, on every machine alike, so that saved optimizer state
+    stays portable.
 
     Args:
         model: The Keras model to compile.
@@ -79,6 +80,8 @@ def compile(
     # them when `fit` first runs), also when it was built in a policy_scope.
     hardware.apply_fast_paths(policy.compute_dtype)
     if not wrapped:
+        if isinstance(optimizer, (str, dict)):  # resolve it once, as Keras would
+            optimizer = keras.optimizers.get(optimizer)
         compile_kwargs["optimizer"] = _wrap(optimizer, policy, fused_update)
     model.compile(**compile_kwargs)
     telemetry.attach(model)

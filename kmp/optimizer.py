@@ -614,7 +614,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_config(self) -> dict[str, Any]:
         config = self.config.get_config()
-        if self.fused_update is not None:  # older kmp versions can read it
+        # Omitted when None, so that older kmp versions can read the config.
+        if self.fused_update is not None:
             config["fused_update"] = self.fused_update
         config["name"] = self.name
         inner = keras.saving.serialize_keras_object(self.inner_optimizer)

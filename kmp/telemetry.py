@@ -52,8 +52,10 @@ class LossScaleTelemetry(keras.metrics.Metric):
 
     def result(self):
         opt = self._optimizer()
-        # Only in training steps: evaluate() keeps returning what it did.
-        if opt is None or not opt.in_training_step():
+        # Only in training steps (evaluate() keeps returning what it did),
+        # and only where there is a scale: a pass-through (mode 'none', as
+        # kmp.compile adds under bfloat16) has no scale and skips nothing.
+        if opt is None or opt.mode == "none" or not opt.in_training_step():
             return {}
         total = tf.convert_to_tensor(opt.skipped_steps_total)
         return {

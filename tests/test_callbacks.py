@@ -196,11 +196,21 @@ def test_monitor_without_kmp_optimizer_logs_loss_and_says_so_once(caplog):
                 verbose=0,
                 callbacks=[monitor],
             )
-    assert (
-        sum("scale telemetry is unavailable" in r.message for r in caplog.records) == 1
-    )
+    assert sum("logging the loss only" in r.message for r in caplog.records) == 1
     assert len(monitor.records) == 4
     assert all(r.loss_scale is None and np.isfinite(r.loss) for r in monitor.records)
+
+
+def test_monitor_under_a_bfloat16_pass_through_logs_the_loss_only(caplog):
+    kmp.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kmp.compile(model, optimizer=kmp.LossScaleOptimizer("sgd"), loss="mse")
+    monitor = LossScaleMonitor()
+    with caplog.at_level(logging.WARNING, logger="kmp"):
+        model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0,
+                  callbacks=[monitor])  # fmt: skip
+    assert any("mode 'none'" in r.message for r in caplog.records)
+    assert [r.loss_scale for r in monitor.records] == [None, None]
 
 
 def test_monitor_rejects_unwritable_paths_at_construction(tmp_path):
@@ -267,7 +277,7 @@ def test_guard_under_a_bfloat16_pass_through_names_poisoned_weights_at_once():
     counter = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: steps.append(batch)
     )
-    with pytest.raises(TrainingCollapsedError, match="mode 'none'") as info:
+    with pytest.raises(TrainingCollapsedError, match="Without loss scaling") as info:
         model.fit(
             x,
             np.ones((64, 1)),

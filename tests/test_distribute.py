@@ -93,13 +93,13 @@ def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):
 def test_distributed_training_matches_one_device(mirrored):
     x, y = regression(64)
     with mirrored.scope():
-        mirrored = build("mixed_float16")
+        replicated = build("mixed_float16")
     single = build("mixed_float16")
-    for model in (mirrored, single):
+    for model in (replicated, single):
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
-    for a, b in zip(mirrored.get_weights(), single.get_weights(), strict=True):
+    for a, b in zip(replicated.get_weights(), single.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
-    assert value(mirrored.optimizer.loss_scale) == value(single.optimizer.loss_scale)
+    assert value(replicated.optimizer.loss_scale) == value(single.optimizer.loss_scale)
 
 
 def test_scaled_gradient_tape_loop_with_strategy_run(mirrored):

@@ -80,7 +80,8 @@ def test_the_fused_update_computes_what_keras_computes(name):
     plain_model, plain = train(OPTIMIZERS[name], fused_update=False)
     fused_model, fast = train(OPTIMIZERS[name], fused_update=True)
     assert not plain._fused_apply._functions  # the plain path was taken
-    assert fast._fused_apply._functions  # and the fused one here
+    assert fast._fused_apply._functions  # and the fused one here, by XLA
+    assert all(f._jit_compile for f in fast._fused_apply._functions.values())
     assert int(fast.iterations) == int(plain.iterations) == 4
     for a, b in zip(
         plain_model.weights + plain.inner_optimizer.variables,
@@ -349,6 +350,7 @@ def test_a_learning_rate_set_between_steps_reaches_the_fused_update():
     )
     x, y = data(32)
     model.fit(x, y, batch_size=16, verbose=0)
+    assert model.optimizer._fused_apply._functions
     model.optimizer.learning_rate = 0.0  # as ReduceLROnPlateau sets it
     assert float(model.optimizer.inner_optimizer.learning_rate) == 0.0
     before = [w.numpy() for w in model.weights]
@@ -370,6 +372,35 @@ def test_steps_per_execution_runs_the_fused_update_every_step():
         return model
 
     plain, fast = run(False), run(True)
+    assert fast.optimizer._fused_apply._functions
     assert int(fast.optimizer.iterations) == 8
     for a, b in zip(plain.weights, fast.weights, strict=True):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=1e-6)
+
+
+def test_the_inner_optimizers_own_accumulation_is_fused_under_bfloat16():
+    """Under a pass-through, Keras's own gradient accumulation runs inside
+    the fused program."""
+
+    def run(fused_update):
+        kmp.set_policy("mixed_bfloat16")
+        inner = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2)
+        model = kmp.compile(
+            mlp(), optimizer=inner, loss="mse", fused_update=fused_update
+        )
+        model.fit(*data(), batch_size=8, verbose=0, shuffle=False)
+        return model
+
+    plain, fast = run(False), run(True)
+    assert fast.optimizer._fused_apply._functions
+    assert int(fast.optimizer.iterations) == 4  # 8 micro-batches, in pairs
+    for a, b in zip(plain.weights, fast.weights, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=1e-6)
+
+
+def test_op_determinism_keeps_the_default_unfused(monkeypatch):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    assert fused.resolve(None)
+    monkeypatch.setattr(fused, "_op_determinism_enabled", lambda: True)
+    assert not fused.resolve(None)
+    assert fused.resolve(True)
