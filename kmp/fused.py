@@ -80,7 +80,17 @@ def _op_determinism_enabled() -> bool:
 
 def is_tested(optimizer: Any) -> bool:
     """Whether `optimizer` (or the optimizer a name such as `'adam'` stands
-    for) is of a class in `TESTED` (exactly: not a subclass)."""
+    for) is of a class in `TESTED` (exactly: not a subclass).
+
+    Example:
+
+    >>> kmp.fused.is_tested("adam")
+    True
+    >>> class MyAdam(keras.optimizers.Adam):
+    ...     pass
+    >>> kmp.fused.is_tested(MyAdam())
+    False
+    """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     return type(optimizer) in TESTED
@@ -89,7 +99,15 @@ def is_tested(optimizer: Any) -> bool:
 def resolve(setting: bool | None, optimizer: Any = None) -> bool:
     """Whether an apply with this `fused_update` setting fuses, here and now
     (called when the update is traced, so it sees the strategy in force).
-    With `setting=None`, only the classes in `TESTED` are fused."""
+    With `setting=None`, only the classes in `TESTED` are fused.
+
+    Example:
+
+    >>> kmp.fused.resolve(True), kmp.fused.resolve(False)  # no strategy here
+    (True, False)
+    >>> kmp.fused.resolve(None) == kmp.fused.default_for_machine()
+    True
+    """
     if setting is False:
         return False
     if tf.distribute.has_strategy():
