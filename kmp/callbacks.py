@@ -171,13 +171,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_logs: dict = {}
         self._warned = False
 
-    def _scaling_optimizer(self):
-        """The model's kmp.LossScaleOptimizer, if it scales the loss."""
-        opt = optimizer_lib.of_model(self.model)
-        return None if opt is None or opt.mode == "none" else opt
-
     def on_train_begin(self, logs=None):
-        opt = self._scaling_optimizer()
+        opt = optimizer_lib.scaling_of_model(self.model)
         if opt is None and not self._warned:
             logger.warning(
                 "kmp.callbacks.LossScaleMonitor: the model's optimizer (%s) "
@@ -235,7 +230,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _record(self) -> None:
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))
-        opt = self._scaling_optimizer()
+        opt = optimizer_lib.scaling_of_model(self.model)
         if opt is None:
             record = StepRecord(self._step, self._epoch, loss, None, 0, None)
         else:
@@ -335,7 +330,7 @@ def plot_records(records: list[StepRecord], path: str) -> None:
         scale_ax.text(
             0.5,
             0.5,
-            "no loss scale (not a kmp.LossScaleOptimizer)",
+            "no loss scale (no kmp loss scaling)",
             ha="center",
             va="center",
             transform=scale_ax.transAxes,

@@ -351,8 +351,8 @@ def find_nonfinite(
                 "model's compiled loss, but the model is not compiled. Compile it "
                 "first, or call find_nonfinite(model, x) for the forward pass only."
             )
-        opt = getattr(model, "optimizer", None)
-        if isinstance(opt, optimizer_lib.LossScaleOptimizer) and opt.mode != "none":
+        opt = optimizer_lib.scaling_of_model(model)
+        if opt is not None:
             scale = float(opt.loss_scale)
         with tf.GradientTape(persistent=True) as tape:
             values = probe(x, training=True)

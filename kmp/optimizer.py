@@ -643,6 +643,13 @@ def of_model(model: Any) -> LossScaleOptimizer | None:
     return opt if isinstance(opt, LossScaleOptimizer) else None
 
 
+def scaling_of_model(model: Any) -> LossScaleOptimizer | None:
+    """The model's `kmp.LossScaleOptimizer` if it scales the loss (not a
+    pass-through in mode `'none'`), else None."""
+    opt = of_model(model)
+    return None if opt is None or opt.mode == ls.NONE else opt
+
+
 def _agree(flags):
     """ANDs boolean flags across the replicas of a tf.distribute strategy (an
     all-reduce SUM of the non-finite counts), so that every replica makes the

@@ -40,7 +40,9 @@ class LossScaleTelemetry(keras.metrics.Metric):
         )
 
     def _optimizer(self) -> optimizer_lib.LossScaleOptimizer | None:
-        return optimizer_lib.of_model(self._model_ref())
+        # Only a scaling optimizer has a scale to report: a pass-through
+        # (mode 'none', as kmp.compile adds under bfloat16) skips nothing.
+        return optimizer_lib.scaling_of_model(self._model_ref())
 
     def update_state(self, *args, **kwargs):
         """Nothing to accumulate: the optimizer holds the state."""
@@ -52,10 +54,8 @@ class LossScaleTelemetry(keras.metrics.Metric):
 
     def result(self):
         opt = self._optimizer()
-        # Only in training steps (evaluate() keeps returning what it did),
-        # and only where there is a scale: a pass-through (mode 'none', as
-        # kmp.compile adds under bfloat16) has no scale and skips nothing.
-        if opt is None or opt.mode == "none" or not opt.in_training_step():
+        # Only in training steps: evaluate() keeps returning what it did.
+        if opt is None or not opt.in_training_step():
             return {}
         total = tf.convert_to_tensor(opt.skipped_steps_total)
         return {
