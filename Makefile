@@ -20,8 +20,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite runs on every core (pytest-xdist), a test file per worker.
 test: lint
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadfile
 
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo

@@ -41,15 +41,18 @@ def mirrored() -> tf.distribute.MirroredStrategy:
 @pytest.fixture(autouse=True)
 def _restore_kmp_state():
     """Every test starts at float32 with no rules, and leaves nothing behind."""
-    kmp.set_policy("float32")
-    policy_lib._last_set = None
-    kmp.clear_layer_policies()
-    policy_lib._unregister_user_policies()
+    _reset()
     keras.utils.set_random_seed(0)
     yield
+    _reset()
+
+
+def _reset():
     kmp.set_policy("float32")  # also undoes kmp's CPU fast-path settings
     policy_lib._last_set = None
     kmp.clear_layer_policies()
+    kmp.rules.set_attention_scores("auto")
+    kmp.kinds._clear_registrations()
     policy_lib._unregister_user_policies()
 
 

@@ -1,19 +1,24 @@
-"""What kmp's float32 attention scores cost under bfloat16, and what they
-buy: the built-in transformer (2 blocks, d=256, sequence 128) trained under
+"""What kmp's attention scores modes cost under bfloat16, and what they buy:
+the built-in transformer (2 blocks, d=256, sequence 128) trained under
 
 - float32 (plain Keras),
 - mixed_bfloat16, plain Keras (`model.compile`),
-- mixed_bfloat16, `kmp.compile` (default rules: query/key projections,
-  scores and softmax of MultiHeadAttention in float32),
-- mixed_bfloat16, `kmp.compile` with
-  `kmp.set_layer_policy(keras.layers.MultiHeadAttention, "mixed_bfloat16")`
-  (the whole attention layer in bfloat16, as plain Keras does),
+- mixed_bfloat16, `kmp.compile` with the default scores mode (`'auto'`:
+  Keras's own attention under bfloat16),
+- mixed_bfloat16, `kmp.compile` with `kmp.rules.set_attention_scores("float32")`
+  (query/key projections, scores and softmax in float32),
 
 in one process, interleaved (see _timing.py), CPU time by default; and the
 error of one MultiHeadAttention layer against float32 at input scales 1 to
-30 under the three bfloat16 set-ups.
+30 under the same set-ups.
 
-Run: python benchmarks/attention_rule.py [--repeats 3] [--batch-size 64]
+With `--explore`, also each choice of sublayers one could put in float32
+(query only, key only, query and key, query key and value), set by hand, to
+show what each buys: the error at large inputs comes from rounding the
+query *and* the key projections, so only set-ups that keep both unrounded
+shrink it, and those two projections are what costs the time.
+
+Run: python benchmarks/attention_rule.py [--repeats 3] [--batch-size 64] [--explore]
 """
 
 import argparse
@@ -32,30 +37,49 @@ from _timing import summary
 import kmp
 from kmp import bench
 
-# name: (policy, kmp.compile?, policy rule for MultiHeadAttention)
+F32 = "float32"
+# name: (policy, kmp.compile?, scores mode or {sublayer attribute: policy})
 VARIANTS = {
     "float32": ("float32", False, None),
     "keras:mixed_bfloat16": ("mixed_bfloat16", False, None),
-    "kmp:mixed_bfloat16": ("mixed_bfloat16", True, None),
-    "kmp:mixed_bfloat16, attention in bfloat16": (
+    "kmp:mixed_bfloat16": ("mixed_bfloat16", True, "auto"),
+    "kmp:mixed_bfloat16, scores float32": ("mixed_bfloat16", True, "float32"),
+}
+EXPLORE = {
+    "keras + query float32": ("mixed_bfloat16", False, {"_query_dense": F32}),
+    "keras + key float32": ("mixed_bfloat16", False, {"_key_dense": F32}),
+    "keras + query, key float32": (
         "mixed_bfloat16",
-        True,
+        False,
+        {"_query_dense": F32, "_key_dense": F32},
+    ),
+    "keras + query, key, value float32": (
         "mixed_bfloat16",
+        False,
+        {"_query_dense": F32, "_key_dense": F32, "_value_dense": F32},
     ),
 }
 
 
-def prepared(policy, use_kmp, rule, build):
+def prepared(policy, use_kmp, setting, build):
+    """Builds under `policy`; a string `setting` is kmp's scores mode, a
+    dict sets attention sublayers' policies by hand (plain Keras)."""
     kmp.set_policy(policy)
-    if rule:
-        kmp.set_layer_policy(keras.layers.MultiHeadAttention, rule)
+    if isinstance(setting, str):
+        kmp.rules.set_attention_scores(setting)
     try:
-        return build(use_kmp)
+        model, *rest = build(use_kmp)
     finally:
-        kmp.clear_layer_policies()
+        kmp.rules.set_attention_scores("auto")
+    if isinstance(setting, dict):
+        for layer in model._flatten_layers():
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                for attribute, sublayer_policy in setting.items():
+                    getattr(layer, attribute).dtype_policy = sublayer_policy
+    return (model, *rest)
 
 
-def speed(repeats: int, steps: int, batch_size: int, clock) -> dict:
+def speed(variants, repeats: int, steps: int, batch_size: int, clock) -> dict:
     runs = {}
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -68,29 +92,32 @@ def speed(repeats: int, steps: int, batch_size: int, clock) -> dict:
             model.compile(**kwargs)
         return model, make
 
-    for name, (policy, use_kmp, rule) in VARIANTS.items():
-        model, make = prepared(policy, use_kmp, rule, build)
+    for name, (policy, use_kmp, setting) in variants.items():
+        model, make = prepared(policy, use_kmp, setting, build)
         x, y = make(steps * batch_size)
         model.fit(x[:batch_size], y[:batch_size], verbose=0)
         runs[name] = lambda m=model, x=x, y=y: m.fit(
             x, y, batch_size=batch_size, verbose=0
         )
     kmp.set_policy("float32")
-    return summary(interleaved(runs, repeats, clock), steps, "float32")
+    return summary(interleaved(runs, repeats, clock), steps, "keras:mixed_bfloat16")
 
 
-def error() -> dict:
+def error(variants) -> dict:
     def build(use_kmp):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((128, 256))
         layer = keras.layers.MultiHeadAttention(8, 32)
-        model = keras.Model(inputs, layer(inputs, inputs))
-        return kmp.prepare(model) if use_kmp else model
+        # A layer after the attention, so that it is not the model's output
+        # (kmp computes output layers in float32 whole).
+        outputs = keras.layers.Identity()(layer(inputs, inputs))
+        model = keras.Model(inputs, outputs)
+        return (kmp.prepare(model) if use_kmp else model,)
 
-    reference = prepared("float32", False, None, build)
+    (reference,) = prepared("float32", False, None, build)
     models = {
-        name: prepared(policy, use_kmp, rule, build)
-        for name, (policy, use_kmp, rule) in VARIANTS.items()
+        name: prepared(policy, use_kmp, setting, build)[0]
+        for name, (policy, use_kmp, setting) in variants.items()
         if name != "float32"
     }
     for model in models.values():
@@ -120,14 +147,16 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--explore", action="store_true")
     args = parser.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    variants = {**VARIANTS, **(EXPLORE if args.explore else {})}
     result = {
         "benchmark": "attention_rule",
         "model": "transformer",
         "clock": args.clock,
-        "relative_error_vs_float32": error(),
-        "speed": speed(args.repeats, args.steps, args.batch_size, clock),
+        "relative_error_vs_float32": error(variants),
+        "speed": speed(variants, args.repeats, args.steps, args.batch_size, clock),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
     }

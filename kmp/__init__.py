@@ -10,6 +10,7 @@ from kmp import debug
 from kmp import distribute
 from kmp import fused
 from kmp import hardware
+from kmp import rules
 from kmp import telemetry
 from kmp.hardware import doctor
 from kmp.loss_scale import LossScaleConfig
@@ -17,6 +18,7 @@ from kmp.loss_scale import LossScaleError
 from kmp.loss_scale import all_finite
 from kmp.model import compile
 from kmp.optimizer import LossScaleOptimizer
+from kmp.planning import prepare
 from kmp.policy import Policy
 from kmp.policy import PolicyError
 from kmp.policy import get_policy
@@ -24,14 +26,13 @@ from kmp.policy import list_policies
 from kmp.policy import policy_scope
 from kmp.policy import register_policy
 from kmp.policy import set_policy
-from kmp.rules import LayerPrecision
+from kmp.report import LayerPrecision
+from kmp.report import PrecisionReport
+from kmp.report import precision_report
 from kmp.rules import LayerRule
-from kmp.rules import PrecisionReport
 from kmp.rules import RuleConflictError
 from kmp.rules import clear_layer_policies
 from kmp.rules import layer_rules
-from kmp.rules import precision_report
-from kmp.rules import prepare
 from kmp.rules import set_layer_policy
 from kmp.tape import ScaledGradientTape
 from kmp.version import __version__
@@ -64,6 +65,7 @@ __all__ = [
     "precision_report",
     "prepare",
     "register_policy",
+    "rules",
     "set_layer_policy",
     "set_policy",
     "telemetry",

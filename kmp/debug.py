@@ -1,5 +1,6 @@
-"""Finding what went non-finite, and where: overflow attribution, a
-layer-by-layer non-finite search, and a pre-training precision audit.
+"""Finding what went non-finite, and where: overflow attribution and a
+layer-by-layer non-finite search. (`kmp.debug.precision_audit`, the
+pre-training audit, lives in `kmp.audit`.)
 
 Functions here return data objects; `str()` of each is a readable report.
 """
@@ -15,7 +16,11 @@ import numpy as np
 import tensorflow as tf
 
 from kmp import optimizer as optimizer_lib
-from kmp import rules
+from kmp import policy as policy_lib
+from kmp import traversal
+from kmp.audit import AuditReport  # noqa: F401
+from kmp.audit import Risk  # noqa: F401
+from kmp.audit import precision_audit  # noqa: F401
 
 FLOAT16_MAX = 65504.0
 
@@ -23,9 +28,9 @@ FLOAT16_MAX = 65504.0
 def _owners(model: keras.layers.Layer) -> dict[int, str]:
     """id(variable) -> path of the innermost layer that owns it."""
     owner: dict[int, str] = {}
-    for path, layer in rules._walk(model):
-        for weight in layer.weights:
-            owner[id(weight)] = path
+    for site in traversal.walk(model):
+        for weight in site.layer.weights:
+            owner[id(weight)] = site.path
     return owner
 
 
@@ -245,7 +250,7 @@ def _fix_for(layer: keras.layers.Layer, path: str, phase: str, scale: float | No
 
 def _precision_fix(layer, path, phase, scale) -> str:
     cls = type(layer).__name__
-    if layer.compute_dtype in ("float16", "bfloat16"):
+    if layer.compute_dtype in policy_lib.SIXTEEN_BIT:
         limit = (
             f"float16 overflows above {FLOAT16_MAX:g}"
             if layer.compute_dtype == "float16"
@@ -272,7 +277,7 @@ def _probe(model: keras.Model):
     """A functional model returning every top-level layer's input and output."""
     layers = [
         layer
-        for layer in rules._children(model)
+        for layer in traversal.children(model)
         if not isinstance(layer, keras.layers.InputLayer)
     ]
     outputs: dict[str, Any] = {}
@@ -468,174 +473,3 @@ def _whole_model(model, x, prefix) -> NonFiniteReport:
     return NonFiniteReport.at(
         check, "forward", "see the note.", note=note, checks=(check,)
     )
-
-
-# --- the audit ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Risk:
-    """One risky spot found by `precision_audit`."""
-
-    layer: str
-    class_name: str
-    kind: str
-    detail: str
-    fix: str
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditReport:
-    """The risks `precision_audit` found; `str()` is a table."""
-
-    model_name: str
-    risks: tuple[Risk, ...]
-
-    def __iter__(self):
-        return iter(self.risks)
-
-    def __len__(self) -> int:
-        return len(self.risks)
-
-    def kinds(self) -> set[str]:
-        return {r.kind for r in self.risks}
-
-    def __str__(self) -> str:
-        from kmp._table import format_table
-
-        if not self.risks:
-            return f"No precision risks found in {self.model_name!r}."
-        table = format_table(
-            ("layer", "class", "risk", "detail", "fix"),
-            [(r.layer, r.class_name, r.kind, r.detail, r.fix) for r in self.risks],
-        )
-        return f"Precision risks in {self.model_name!r}:\n{table}"
-
-
-def _matmul_dims(layer) -> list[tuple[str, int]]:
-    dims = []
-    if isinstance(layer, keras.layers.Dense):
-        dims.append(("units", layer.units))
-        if layer.built:
-            dims.append(("input features", int(layer.kernel.shape[0])))
-    elif isinstance(layer, keras.layers.Embedding):
-        dims.append(("output_dim", layer.output_dim))
-    elif hasattr(layer, "filters") and hasattr(layer, "kernel_size"):
-        dims.append(("filters", layer.filters))
-        if layer.built and getattr(layer, "kernel", None) is not None:
-            dims.append(("input channels", int(layer.kernel.shape[-2])))
-    return dims
-
-
-def _dtype_error(layer, keras_policy: str) -> str | None:
-    """Calls a user-written layer on zeros under `keras_policy` (restoring its
-    own policy after); returns the dtype error it raises, if any."""
-    try:
-        spec = layer.input
-    except (AttributeError, ValueError):
-        return None
-    if not isinstance(spec, keras.KerasTensor):
-        return None
-    shape = [2 if d is None else d for d in spec.shape]
-    own = layer.dtype_policy
-    layer.dtype_policy = keras_policy
-    try:
-        dtype = spec.dtype
-        if keras.backend.is_float_dtype(dtype):
-            dtype = layer.compute_dtype
-        layer(keras.ops.zeros(shape, dtype=dtype))
-    except (tf.errors.InvalidArgumentError, TypeError, ValueError) as e:
-        lines = [line for line in str(e).splitlines() if "type" in line.lower()]
-        return (lines[-1] if lines else str(e).splitlines()[0]).strip()[:160]
-    finally:
-        layer.dtype_policy = own
-    return None
-
-
-def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
-    """Lists, before training, the spots where 16-bit precision may hurt.
-
-    * layers that will compute softmax, normalization or attention scores in
-      a 16-bit dtype (kmp's rules have not been applied);
-    * user-written layers that mix float32 constants with 16-bit inputs and
-      will fail with a dtype error;
-    * Dense/Conv/Embedding sizes that are not multiples of 8, which keeps
-      GPU Tensor Cores from being used.
-
-    Args:
-        model: A built Keras model.
-        policy: Audit as if the model ran under this policy (a name or
-            `kmp.Policy`), e.g. a float32 model you plan to move to
-            `'mixed_float16'`. By default, the model as it is.
-
-    Returns:
-        An `AuditReport`; `print()` it.
-
-    Example:
-
-    >>> kmp.set_policy("mixed_float16")
-    <Policy "mixed_float16": ...>
-    >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(10),
-    ...                           keras.layers.Softmax()])
-    >>> sorted(kmp.debug.precision_audit(model).kinds())
-    ['16-bit softmax/normalization', 'size not a multiple of 8']
-    >>> sorted(kmp.debug.precision_audit(kmp.prepare(model)).kinds())
-    ['size not a multiple of 8']
-    """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            "precision_audit() expects a Keras model. Received: "
-            f"{model!r} (of type {type(model).__name__})."
-        )
-    from kmp import policy as policy_lib
-
-    base = policy_lib.get(model.dtype_policy)
-    target = base if policy is None else policy_lib.get(policy)
-    outputs = rules._output_layers(model)
-    risks = []
-    for path, layer in rules._walk(model):
-        cls = type(layer).__name__
-        # A layer on the model's policy moves with it; one set apart keeps its own.
-        moves = layer.dtype_policy.name == base.keras_name
-        keras_policy = target.keras_name if moves else layer.dtype_policy.name
-        compute = keras.DTypePolicy(keras_policy).compute_dtype
-        sixteen = compute in ("float16", "bfloat16")
-        default = rules._default_rule(layer, id(layer) in outputs, compute)
-        if sixteen and default and not isinstance(layer, keras.Model):
-            slow = default == rules._SLOW_CPU_CONVOLUTION
-            risks.append(
-                Risk(
-                    path,
-                    cls,
-                    "slow on this machine" if slow else "16-bit softmax/normalization",
-                    f"computes in {compute}; kmp's rule: {default}",
-                    "kmp.prepare(model) (or kmp.compile)",
-                )
-            )
-        if sixteen and not type(layer).__module__.startswith("keras"):
-            error = _dtype_error(layer, keras_policy)
-            if error:
-                risks.append(
-                    Risk(
-                        path,
-                        cls,
-                        "dtype error",
-                        error,
-                        "cast constants to the input's dtype: "
-                        "keras.ops.cast(c, x.dtype), or use self.compute_dtype",
-                    )
-                )
-        if sixteen:
-            for what, size in _matmul_dims(layer):
-                if size >= 8 and size % 8:
-                    padded = -(-size // 8) * 8
-                    risks.append(
-                        Risk(
-                            path,
-                            cls,
-                            "size not a multiple of 8",
-                            f"{what} = {size}",
-                            f"use {padded} for Tensor Core speed on GPUs",
-                        )
-                    )
-    return AuditReport(model.name, tuple(risks))

@@ -8,8 +8,8 @@ import keras
 
 from kmp import fused
 from kmp import hardware
+from kmp import planning
 from kmp import policy as policy_lib
-from kmp import rules
 from kmp import telemetry
 from kmp.optimizer import LossScaleOptimizer
 
@@ -20,9 +20,10 @@ def compile(
     """Applies kmp's precision rules to `model`, then calls `model.compile`.
 
     Use it in place of `model.compile(...)`: it takes the same arguments and
-    makes sure that numerically sensitive layers (softmax, normalization,
-    attention scores, softmax/sigmoid outputs) compute in float32 under a
-    16-bit policy, without a second call to remember. Under a float16 model
+    applies kmp's precision rules under a 16-bit policy (softmax, attention
+    scores under float16 and the model's outputs in float32; no layer's
+    interface with your code changes; see `kmp.rules`), without a second
+    call to remember. Under a float16 model
     policy the optimizer is wrapped in `kmp.LossScaleOptimizer` (unless it
     already is a loss-scale optimizer), so Keras's own wrapper is not used.
 
@@ -74,7 +75,7 @@ def compile(
             f"{type(optimizer).__name__}. Set it there instead: "
             "kmp.LossScaleOptimizer(inner, fused_update=...)."
         )
-    rules.prepare(model)
+    planning.prepare(model)
     policy = policy_lib.get(model.dtype_policy)
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.

@@ -22,6 +22,7 @@ from kmp import hardware
 logger = logging.getLogger("kmp")
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+SIXTEEN_BIT = ("float16", "bfloat16")
 _WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 AUTO = "auto"
 

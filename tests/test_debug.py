@@ -72,9 +72,9 @@ def test_following_the_suggested_fixes_ends_the_overflow():
         named.append(report.layer)
         kmp.set_layer_policy(f"name:{report.layer}", "float32")
         kmp.prepare(model)
-    # 'blown' overflows; in float32 its output (above 65504) then overflows
-    # the float16 layer reading it, which is named next.
-    assert named == ["blown", "out"]
+    # 'blown' overflows; in float32 its output (above 65504) then goes to the
+    # output layer, which computes in float32 too: fixed in one step.
+    assert named == ["blown"]
     assert not kmp.debug.find_nonfinite(model, x).found
 
 
@@ -84,7 +84,9 @@ def test_find_nonfinite_with_targets_searches_the_backward_pass():
     assert not kmp.debug.find_nonfinite(model, x).found
     report = kmp.debug.find_nonfinite(model, x, y)
     assert report.found and report.phase == "backward"
-    assert report.layer == "out"  # the first layer in backward order
+    # The first layer in backward order: `out` computes in float32.
+    assert report.layer == "blown"
+    assert report.compute_dtype == "float16"
     assert "loss scale 1024" in report.note
     assert "'blown'" in report.note  # the largest activation points upstream
 
@@ -162,38 +164,6 @@ def test_last_overflow_needs_a_kmp_optimizer():
         kmp.debug.last_overflow(model)
 
 
-def test_precision_audit_finds_each_kind_of_risk_before_a_switch():
-    class Halve(keras.layers.Layer):
-        def call(self, x):
-            import tensorflow as tf
-
-            return x * tf.constant(0.5)  # a float32 constant: fails on float16
-
-    model = keras.Sequential(
-        [
-            keras.Input((16,)),
-            keras.layers.Dense(12, name="odd"),
-            keras.layers.Dense(16, name="even"),
-            Halve(name="halve"),
-            keras.layers.LayerNormalization(name="norm"),
-        ]
-    )
-    assert len(kmp.debug.precision_audit(model)) == 0  # fine in float32
-    report = kmp.debug.precision_audit(model, policy="mixed_float16")
-    by_layer = {(r.layer, r.kind) for r in report}
-    assert ("odd", "size not a multiple of 8") in by_layer
-    assert ("even", "size not a multiple of 8") in by_layer  # its input is 12
-    assert ("halve", "dtype error") in by_layer
-    assert ("norm", "16-bit softmax/normalization") in by_layer
-    assert "keras.ops.cast" in str(report)
-    assert model.get_layer("halve").compute_dtype == "float32"  # restored
-
-
-def test_precision_audit_is_clean_for_a_prepared_float32_model():
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)])
-    assert len(kmp.debug.precision_audit(model)) == 0  # float32: no 16-bit risks
-
-
 def test_debug_functions_reject_non_models():
     for fn in (debug.precision_audit, lambda m: debug.find_nonfinite(m, 1)):
         with pytest.raises(TypeError, match="expects a Keras model"):
@@ -219,3 +189,27 @@ def test_find_nonfinite_says_so_when_a_shared_layer_overflows_later():
     report = kmp.debug.find_nonfinite(model, np.ones((1, 4), "float32"))
     assert report.found
     assert "more than once" in report.note
+
+
+@pytest.mark.parametrize(
+    "policy, rounded",
+    [("mixed_bfloat16", "19999 becomes 19968"), ("mixed_float16", "out of range")],
+)
+def test_precision_audit_names_float_token_ids_rounded_on_their_way(policy, rounded):
+    class Tokens(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embed = keras.layers.Embedding(20000, 8)
+
+        def call(self, x):
+            return self.embed(x)
+
+    ids = keras.Input((5,))  # float32: the keras.Input default
+    model = keras.Model(ids, keras.layers.Dense(2)(Tokens(name="tokens")(ids)))
+    audit = kmp.debug.precision_audit(model, policy=policy)
+    risk = next(r for r in audit if r.kind == "float token ids")
+    assert risk.layer == "tokens" and rounded in risk.detail
+    assert "dtype='int32'" in risk.fix
+    int_ids = keras.Input((5,), dtype="int32")
+    clean = keras.Model(int_ids, keras.layers.Dense(2)(Tokens()(int_ids)))
+    assert "float token ids" not in kmp.debug.precision_audit(clean, policy).kinds()

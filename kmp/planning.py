@@ -1,0 +1,491 @@
+"""The precision plan of a model: one decision per layer, and `prepare`,
+which applies it.
+
+`plan(model)` decides every layer's policy by the rules of `kmp.rules` (see
+its docstring for the order and the reasons) and the layer kinds of
+`kmp.kinds`, from where each layer sits (`kmp.traversal`), and leaves the
+model as it was; `prepare(model)` applies that plan through Keras's public
+`layer.dtype_policy` setter. `kmp.precision_report` and
+`kmp.debug.precision_audit` read the same plan, so what they say is what
+`prepare` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import warnings
+import weakref
+
+import keras
+
+from kmp import hardware
+from kmp import kinds
+from kmp import policy as policy_lib
+from kmp import rules
+from kmp import tracing
+from kmp import traversal
+
+logger = logging.getLogger("kmp")
+
+# Rule texts shown in reports.
+EXPLICIT = "explicit dtype="
+POLICY = "policy"
+INHERITED = "inherited"
+OUTPUT = "default: model output in float32"
+NOT_FLOAT = "not a float layer: left as is"
+QUANTIZED = "quantized: left as is"
+ATTENTION_SCORES = "default: attention scores in float32"
+TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
+SCORES_KEPT = "default: attention softmax 16-bit (its scores may reach user code)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What kmp decided for one layer.
+
+    Attributes:
+        site: Where the layer sits (`kmp.traversal.Site`).
+        policy: The policy it computes in after `prepare`; None for a layer
+            kmp leaves alone because its policy is not a float policy.
+        rule: What decided it (`'policy'`, `'explicit dtype='`,
+            `'rule Dense'`, `'default: softmax in float32'`, ...).
+        kind: Its `kmp.kinds.LayerKind` and the kind's source, if known.
+        explicit: True when the user gave the layer its own `dtype=`.
+        note: Why a default did not apply here, if it did not.
+    """
+
+    site: traversal.Site
+    policy: policy_lib.Policy | None
+    rule: str
+    kind: tuple[kinds.LayerKind, str] | None = None
+    explicit: bool = False
+    note: str = ""
+
+    @property
+    def path(self) -> str:
+        return self.site.path
+
+    @property
+    def layer(self) -> keras.layers.Layer:
+        return self.site.layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every layer's decision, in traversal order.
+
+    Attributes:
+        model: The model planned.
+        base: The policy the model computes in (or the policy it was
+            planned for, with `plan(model, policy=...)`).
+        decisions: One `Decision` per layer (nested models' own entries
+            left out: they cast no inputs).
+        unmatched: User rules that match no layer of this model.
+        unbuilt_attention: Paths of attention layers not built yet, whose
+            scores rule could not be applied.
+    """
+
+    model: keras.layers.Layer
+    base: policy_lib.Policy
+    decisions: tuple[Decision, ...]
+    unmatched: tuple[rules.LayerRule, ...] = ()
+    unbuilt_attention: tuple[str, ...] = ()
+
+    def __iter__(self):
+        return iter(self.decisions)
+
+    def decision(self, path: str) -> Decision:
+        """The decision for the layer at `path`."""
+        for d in self.decisions:
+            if d.path == path:
+                return d
+        raise KeyError(
+            f"No layer at path {path!r} in {self.model.name!r}. Paths: "
+            f"{', '.join(d.path for d in self.decisions)}."
+        )
+
+    @property
+    def computes_in_float16(self) -> bool:
+        """True when any layer computes in float16 (loss scaling is needed)."""
+        return any(
+            d.policy is not None and d.policy.compute_dtype == "float16"
+            for d in self.decisions
+        )
+
+
+# What kmp set on each layer, so that a later `prepare` can tell kmp's
+# settings from a user's explicit `dtype=`. Weak: forgets deleted layers.
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    keras_name: str
+    rule: str
+
+
+_applied: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_model_base: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def applied(layer: keras.layers.Layer) -> Applied | None:
+    """What kmp last set on `layer` and why, if its policy is still that."""
+    record = _applied.get(layer)
+    if record is not None and record.keras_name == layer.dtype_policy.name:
+        return record
+    return None
+
+
+def base_policy(model: keras.layers.Layer) -> policy_lib.Policy:
+    """The policy `model` computes in, as `prepare` first saw it."""
+    recorded = _model_base.get(model)
+    if recorded is not None:
+        return recorded
+    return policy_lib.get(model.dtype_policy)
+
+
+def is_float_layer(layer: keras.layers.Layer) -> bool:
+    """False for layers kmp must leave alone: a non-float policy (Hashing,
+    StringLookup, integer preprocessing) or a quantized one."""
+    if layer.dtype_policy.quantization_mode is not None:
+        return False
+    # Preprocessing layers may compute in another dtype than their policy's
+    # (StringLookup: 'string'); `compute_dtype` is what they run in.
+    return keras.backend.is_float_dtype(layer.compute_dtype)
+
+
+def _is_explicit(layer: keras.layers.Layer, base: policy_lib.Policy) -> bool:
+    current = layer.dtype_policy
+    if applied(layer) is not None:
+        return False
+    return current.name != base.keras_name
+
+
+def _float16_convolutions_are_slow() -> bool:
+    """True on machines that train on the CPU, where float16 convolutions
+    were measured slow with and without native float16 math."""
+    caps = hardware.capabilities()
+    return not caps.gpus and not caps.tpus
+
+
+def _match_rank(rank, layer, path, seen: set[int]):
+    matched = [r for r in rank if r.matches(layer, path)]
+    seen.update(id(r) for r in matched)
+    if len({(r.policy.compute_dtype, r.policy.variable_dtype) for r in matched}) > 1:
+        described = ", ".join(f"{r.describe()} -> {r.policy.name}" for r in matched)
+        raise rules.RuleConflictError(
+            f"Layer {path!r} ({type(layer).__name__}) is matched by rules of "
+            f"the same rank that disagree: {described}. Remove one with "
+            "kmp.set_layer_policy(selector, None), or use a narrower selector."
+        )
+    return matched[0] if matched else None
+
+
+def _where(site: traversal.Site) -> str:
+    """Why a layer's output dtype must not change, in words."""
+    if site.in_graph and site.blocker:
+        return (
+            f"its output goes to {site.blocker}, which does not absorb a dtype change"
+        )
+    owner = site.user_code
+    name = type(owner).__name__ if owner is not None else "user code"
+    return f"its output goes to code in {name}.call"
+
+
+def plan(
+    model: keras.layers.Layer, policy: str | policy_lib.Policy | None = None
+) -> Plan:
+    """Decides every layer's policy by kmp's rules and leaves the model as it
+    was (to check a float-token-ids decision it traces one layer under a
+    temporary policy, then restores it).
+
+    Args:
+        model: A Keras model or layer.
+        policy: Plan as if the model computed in this policy: layers on the
+            model's own policy move to it, layers with their own `dtype=`
+            keep theirs. By default, the model's policy.
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        TypeError: if `model` is not a Keras layer or model.
+        RuleConflictError: if two rules of the same rank disagree.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="d"),
+    ...                           keras.layers.Dense(2, name="head")])
+    >>> [(d.path, d.policy.name) for d in kmp.planning.plan(model)]
+    [('d', 'mixed_bfloat16'), ('head', 'float32')]
+    >>> kmp.planning.plan(model).decision("head").rule
+    'default: model output in float32'
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "Expected a Keras model or layer. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    actual_base = base_policy(model)
+    base = actual_base if policy is None else policy_lib.get(policy)
+    user_rules = rules.layer_rules()
+    name_rules = [r for r in user_rules if r.kind == "name"]
+    class_rules = [r for r in user_rules if r.kind == "class"]
+    matched_rules: set[int] = set()
+    decisions: list[Decision] = []
+    unbuilt: list[str] = []
+    decided: dict[int, policy_lib.Policy] = {id(model): base}
+    forced: dict[int, tuple[policy_lib.Policy, str]] = {}
+    weights = _weight_count(model)
+
+    for site in traversal.walk(model):
+        layer, path = site.layer, site.path
+        inherited = decided.get(id(site.parent), base)
+        if not is_float_layer(layer):
+            rule = QUANTIZED if layer.dtype_policy.quantization_mode else NOT_FLOAT
+            decisions.append(Decision(site, None, rule, kinds.kind_of(layer)))
+            continue
+        name_rule = _match_rank(name_rules, layer, path, matched_rules)
+        class_rule = _match_rank(class_rules, layer, path, matched_rules)
+        user_rule = name_rule or class_rule
+        if traversal.is_graph(layer):
+            # A nested model casts no inputs: only its layers are decided,
+            # by a rule on it or else as its surroundings.
+            decided[id(layer)] = user_rule.policy if user_rule else inherited
+            continue
+        kind = kinds.kind_of(layer)
+        note = ""
+        # Layers on the model's policy move with it (to `policy` when one is
+        # given); a layer with its own dtype= keeps it.
+        explicit = id(layer) not in forced and _is_explicit(layer, actual_base)
+        if explicit:
+            chosen, rule = policy_lib.get(layer.dtype_policy), EXPLICIT
+        elif user_rule:
+            chosen, rule = user_rule.policy, user_rule.describe()
+        elif id(layer) in forced:
+            chosen, rule = forced[id(layer)]
+        elif is_keras_attention(site.parent):
+            # Keras's attention code consumes its sublayers: the scores rule
+            # above decides them, or they stay as Keras made them.
+            chosen, rule = inherited, INHERITED if inherited != base else POLICY
+        else:
+            chosen, rule, note = _default(site, kind, inherited, base, weights)
+        # Only the container's own input cast changes: its layers keep theirs.
+        decided[id(layer)] = inherited if rule == TOKEN_IDS else chosen
+        decisions.append(Decision(site, chosen, rule, kind, explicit, note))
+        if rule == ATTENTION_SCORES and id(layer) not in forced:
+            forced.update(_attention_sublayers(site, inherited))
+        elif (
+            kind is not None
+            and kind[0].action == kinds.SCORES
+            and rule in (POLICY, INHERITED)
+            and _scores_in_float32(layer, inherited)
+            and not layer.built
+        ):
+            unbuilt.append(path)
+    unmatched = tuple(r for r in user_rules if id(r) not in matched_rules)
+    return Plan(model, base, tuple(decisions), unmatched, tuple(unbuilt))
+
+
+def _weight_count(layer) -> int:
+    return sum(
+        int(math.prod(w.shape))
+        for w in layer.weights
+        if keras.backend.is_float_dtype(w.dtype)
+    )
+
+
+# A custom layer that produces a model output computes in float32 whole (so
+# that its own code sees one dtype) only when it is a head: at most this
+# share of the model's weights. A larger one keeps its policy, and the audit
+# says how to add a float32 output.
+HEAD_SHARE = 0.1
+
+
+def _default(site, kind, inherited, base, model_weights):
+    """(policy, rule, note) from kmp's defaults for one layer."""
+    plain = (inherited, POLICY if inherited == base else INHERITED, "")
+    if not inherited.is_16bit:
+        return plain
+    float32 = policy_lib.get(rules.FLOAT32)
+    layer = site.layer
+    if site.model_output:
+        if not site.casts_downstream:
+            return (*plain[:2], "a model output, but " + _where(site))
+        own_code = kind is None and traversal.children(layer)
+        share = _weight_count(layer) / model_weights if model_weights else 0.0
+        if own_code and share > HEAD_SHARE:
+            return (
+                *plain[:2],
+                f"a model output, but a layer with code of its own holding "
+                f"{share:.0%} of the weights: computing it all in float32 would "
+                "turn mixed precision off for it",
+            )
+        return float32, OUTPUT, ""
+    if site.reads_float_input and rounds_token_ids(layer):
+        # A float keras.Input carries token ids into an Embedding through a
+        # layer that would cast them to 16-bit (rounding ids above 256 or
+        # 2048). In float32 the layer passes them on exactly; applied only
+        # where a trace shows it then still returns what it returned.
+        as_planned = tracing.output_dtypes(layer, base.keras_name)
+        if as_planned and tracing.output_dtypes(layer, rules.FLOAT32) == as_planned:
+            return float32, TOKEN_IDS, ""
+        return (
+            *plain[:2],
+            "its float input reaches an Embedding; casting it "
+            "to float32 would change what it returns",
+        )
+    if kind is None:
+        return plain
+    what = kind[0]
+    action = what.action
+    if action == kinds.CPU_FLOAT16:
+        if inherited.compute_dtype != "float16" or not _float16_convolutions_are_slow():
+            return plain
+        action = kinds.ISLAND
+    if action == kinds.ISLAND:
+        if site.casts_downstream:
+            name = kinds.activation_name(layer) or what.name
+            if what.action == kinds.CPU_FLOAT16:
+                return float32, "default: float16 convolutions are slow on CPUs", ""
+            return float32, f"default: {name} in float32", ""
+        return (*plain[:2], f"left {inherited.compute_dtype}: {_where(site)}")
+    if action == kinds.SCORES and layer.built and _scores_in_float32(layer, inherited):
+        # The layer casts its inputs to float32 (query and key see them
+        # unrounded); its output projection keeps its output 16-bit.
+        return float32, ATTENTION_SCORES, ""
+    return plain
+
+
+def is_keras_attention(layer) -> bool:
+    kind = kinds.kind_of(layer) if layer is not None else None
+    return (
+        kind is not None
+        and kind[0].action == kinds.SCORES
+        and kinds.keeps_keras_attention_code(layer)
+    )
+
+
+def rounds_token_ids(layer) -> bool:
+    """A layer whose own code casts its float inputs to 16-bit and holds an
+    Embedding (which reads float ids as they come)."""
+    if traversal.is_graph(layer) or isinstance(layer, keras.layers.Embedding):
+        return False
+    if not (layer.autocast and getattr(layer, "_convert_input_args", True)):
+        return False
+    return any(
+        isinstance(inner, keras.layers.Embedding)
+        for inner in layer._flatten_layers(include_self=False)
+    )
+
+
+def _scores_in_float32(layer, inherited) -> bool:
+    """Whether the attention scores rule computes this layer's scores in
+    float32 (Keras's own attention code, mode 'float32' for the dtype)."""
+    mode = rules.attention_scores(inherited.compute_dtype)
+    return mode == rules.FLOAT32 and kinds.keeps_keras_attention_code(layer)
+
+
+def _attention_sublayers(site, inherited):
+    """{id(sublayer): (policy, rule)} for Keras's attention under the scores
+    rule: query and key in float32, the rest in `inherited`; the softmax in
+    float32 too where what the layer returns (its scores, with
+    `return_attention_scores=True`) goes only to consumers that absorb it."""
+    float32 = policy_lib.get(rules.FLOAT32)
+    forced = {}
+    for child in traversal.children(site.layer):
+        softmax = isinstance(child, keras.layers.Softmax)
+        if child.name in ("query", "key") or (softmax and site.casts_downstream):
+            forced[id(child)] = (float32, ATTENTION_SCORES)
+        elif softmax:
+            forced[id(child)] = (inherited, SCORES_KEPT)
+        else:
+            forced[id(child)] = (inherited, "default: attention value/output")
+    return forced
+
+
+def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
+    """Applies kmp's precision rules to a Keras model, in place.
+
+    Works on Sequential, Functional, subclassed and nested models, built or
+    not, through Keras's public `layer.dtype_policy` setter. Idempotent: a
+    second call changes nothing. `kmp.compile` calls it for you. A layer
+    keeps the dtype it returns wherever user code consumes it (see
+    `kmp.rules`); the layers that produce the model's outputs compute in
+    float32.
+
+    An attention layer that is not built yet (its projections are created
+    at build time) is left as it is, with a warning: call `prepare` again
+    once the model is built.
+
+    Args:
+        model: A `keras.Model` (or any `keras.layers.Layer`).
+
+    Returns:
+        The same model, for chaining.
+
+    Raises:
+        TypeError: if `model` is not a Keras layer or model.
+        RuleConflictError: if two rules of the same rank disagree about a
+            layer; the model is then left unchanged.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> model = kmp.prepare(keras.Sequential([
+    ...     keras.Input((8,)),
+    ...     keras.layers.Dense(16),
+    ...     keras.layers.LayerNormalization(),
+    ...     keras.layers.Softmax(),
+    ...     keras.layers.Dense(4),
+    ... ]))
+    >>> [layer.compute_dtype for layer in model.layers]
+    ['float16', 'float16', 'float32', 'float32']
+
+    See also: `kmp.precision_report`, `kmp.set_layer_policy`, `kmp.compile`.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "prepare() expects a Keras model or layer. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    the_plan = plan(model)  # raises before anything is changed
+    _model_base.setdefault(model, base_policy(model))
+    changed = 0
+    for d in the_plan:
+        if d.explicit or d.policy is None:
+            continue
+        if d.layer.dtype_policy.name != d.policy.keras_name:
+            d.layer.dtype_policy = d.policy.keras_name
+            changed += 1
+        _applied[d.layer] = Applied(d.policy.keras_name, d.rule)
+    for rule in the_plan.unmatched:
+        warnings.warn(
+            rules.unmatched_message(
+                rule,
+                _candidates(the_plan, rule),
+                f"of {model.name!r}",
+            ),
+            UserWarning,
+            stacklevel=2,
+        )
+    if the_plan.unbuilt_attention:
+        warnings.warn(
+            "kmp.prepare: the attention layers "
+            f"{', '.join(the_plan.unbuilt_attention)} are not built yet, so "
+            "their scores rule is not applied (their projections are created "
+            "at build time). Build the model first (call it on a batch, or "
+            "start it from keras.Input) and call kmp.prepare again.",
+            UserWarning,
+            stacklevel=2,
+        )
+    logger.debug("kmp.prepare(%s): %d layer policies changed", model.name, changed)
+    return model
+
+
+def _candidates(the_plan: Plan, rule: rules.LayerRule) -> set[str]:
+    if rule.kind == "class":
+        return {type(d.layer).__name__ for d in the_plan}
+    return {d.layer.name for d in the_plan} | {d.path for d in the_plan}

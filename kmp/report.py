@@ -1,0 +1,215 @@
+"""`kmp.precision_report`: per layer, what it computes in, what it returns,
+what computes in float32 inside it, and the rule that decided it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import keras
+
+from kmp import planning
+from kmp import policy as policy_lib
+from kmp import tracing
+from kmp import traversal
+from kmp._table import format_table
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """One row of a precision report.
+
+    Attributes:
+        path: The layer's path in the model.
+        class_name: Its class.
+        compute_dtype: The dtype its call computes in (its policy's: what
+            Keras casts its inputs and variables to); `''` for a layer that
+            is not a float layer.
+        variable_dtype: The dtype of its variables.
+        rule: What decided its policy.
+        returns: The dtype(s) it returns, as traced (`''` when not traced).
+        inside: What computes in float32 inside it, as the defaults know it
+            (`'float32 inside (Keras)'`) or as traced
+            (`'float32 inside: Mean, Rsqrt'`); `''` when nothing does.
+        kind: Its kind (`'normalization'`, `'attention'`, ...), if known.
+        note: Why a default did not apply to it, if one did not.
+    """
+
+    path: str
+    class_name: str
+    compute_dtype: str
+    variable_dtype: str
+    rule: str
+    returns: str = ""
+    inside: str = ""
+    kind: str = ""
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """The precision of every layer of a model.
+
+    `str(report)` is a table; `report.rows` is the data.
+
+    Attributes:
+        model_name: The model's name.
+        policy: The model's policy.
+        rows: One `LayerPrecision` per layer.
+        outputs: The dtypes of the model's outputs, as traced.
+        not_traced: Why the model was not traced, or `''` when it was.
+    """
+
+    model_name: str
+    policy: str
+    rows: tuple[LayerPrecision, ...]
+    outputs: tuple[str, ...] = ()
+    not_traced: str = ""
+
+    def __iter__(self) -> Iterator[LayerPrecision]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, path: str) -> LayerPrecision:
+        """Returns the row of the layer at `path` (its name at the top level)."""
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(
+            f"No layer at path {path!r} in the report of {self.model_name!r}. "
+            f"Paths: {', '.join(r.path for r in self.rows)}."
+        )
+
+    def __str__(self) -> str:
+        table = format_table(
+            ("layer", "class", "computes", "returns", "inside", "decided by"),
+            [
+                (r.path, r.class_name, r.compute_dtype, r.returns, r.inside, r.rule)
+                for r in self.rows
+            ],
+        )
+        lines = [
+            f"Precision of {self.model_name!r} (model policy: {self.policy})",
+            table,
+        ]
+        if self.outputs:
+            lines.append(f"Outputs: {', '.join(self.outputs)}")
+        if self.not_traced:
+            lines.append(f"Not traced: {self.not_traced}.")
+        return "\n".join(lines)
+
+
+def _variable_dtype(layer: keras.layers.Layer) -> str:
+    own = {v.dtype for v in layer.weights} if not traversal.children(layer) else set()
+    floats = {d for d in own if keras.backend.is_float_dtype(d)}
+    if len(floats) == 1:
+        return keras.backend.standardize_dtype(floats.pop())
+    return layer.variable_dtype or ""
+
+
+def _inside(decision, ops) -> str:
+    if decision.layer.compute_dtype not in policy_lib.SIXTEEN_BIT:
+        return ""
+    kind = decision.kind
+    if kind is not None and kind[0].inside:
+        return f"{kind[0].inside} ({kind[1]})"
+    if ops is not None and ops.float32_ops:
+        return (
+            "float32 inside: "
+            + ", ".join(ops.float32_ops[:4])
+            + (", ..." if len(ops.float32_ops) > 4 else "")
+        )
+    return ""
+
+
+def precision_report(
+    model: keras.layers.Layer, *, trace: bool = True
+) -> PrecisionReport:
+    """Reports, per layer, the dtype its call computes in, the dtype it
+    returns, whether something inside it computes in float32, and the rule
+    that decided its policy.
+
+    The report shows the model as it is: run `kmp.prepare` (or `kmp.compile`)
+    first to see kmp's rules applied. What a layer returns and computes
+    inside is read from one traced forward pass (`kmp.tracing`; nothing runs)
+    for built models; pass `trace=False` to skip it.
+
+    Args:
+        model: A Keras model or layer.
+        trace: Trace the forward pass to fill `returns` and `inside`.
+
+    Returns:
+        A `PrecisionReport`: `print()` it for a table, or read `.rows`.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> model = kmp.prepare(keras.Sequential(
+    ...     [keras.Input((8,)), keras.layers.Dense(8, name="dense"),
+    ...      keras.layers.LayerNormalization(name="norm"),
+    ...      keras.layers.Dense(4, name="head")], name="tiny"))
+    >>> report = kmp.precision_report(model)
+    >>> print(report)  # doctest: +ELLIPSIS
+    Precision of 'tiny' (model policy: mixed_bfloat16)
+    layer  class  ...
+    >>> [(r.path, r.compute_dtype, r.returns) for r in report]
+    [('dense', 'bfloat16', 'bfloat16'), ('norm', 'bfloat16', 'bfloat16'),
+     ('head', 'float32', 'float32')]
+    >>> report.row("norm").inside, report.row("head").rule
+    ('float32 inside (Keras)', 'default: model output in float32')
+    >>> report.outputs
+    ('float32',)
+
+    See also: `kmp.prepare`, `kmp.debug.precision_audit`.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "precision_report() expects a Keras model or layer. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    the_plan = planning.plan(model)
+    traced = tracing.trace(model) if trace else None
+    rows = []
+    for d in the_plan:
+        layer = d.layer
+        record = planning.applied(layer)
+        if record is not None:
+            rule = record.rule
+        elif d.explicit:
+            rule = planning.EXPLICIT
+        elif d.policy is None or (
+            d.policy.keras_name == layer.dtype_policy.name
+            and d.rule
+            in (
+                planning.POLICY,
+                planning.INHERITED,
+            )
+        ):
+            rule = d.rule
+        else:
+            rule = f"{planning.POLICY} (kmp.prepare not applied)"
+        ops = traced.of(d.path) if traced is not None else None
+        float_layer = planning.is_float_layer(layer)
+        rows.append(
+            LayerPrecision(
+                d.path,
+                type(layer).__name__,
+                layer.compute_dtype if float_layer else "",
+                _variable_dtype(layer) if float_layer else "",
+                rule,
+                returns=", ".join(ops.returns) if ops is not None else "",
+                inside=_inside(d, ops) if float_layer else "",
+                kind=d.kind[0].name if d.kind else "",
+                note=d.note,
+            )
+        )
+    return PrecisionReport(
+        model.name,
+        the_plan.base.name,
+        tuple(rows),
+        outputs=traced.outputs if traced is not None else (),
+        not_traced=(traced.error or "") if traced is not None else "",
+    )
