@@ -21,6 +21,7 @@ import tensorflow as tf
 from kmp import debug
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
+from kmp import telemetry
 
 logger = logging.getLogger("kmp")
 
@@ -98,8 +99,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     device; the optimizer's per-variable overflow record is read only when
     the skip count went up.
 
-    Without a `kmp.LossScaleOptimizer` it still logs the loss, and says once
-    that scale telemetry is unavailable.
+    With Keras's own `LossScaleOptimizer` it logs the loss and that
+    optimizer's scale (Keras counts no skipped steps); with a
+    `kmp.LossScaleOptimizer` in mode `'none'` (no scaling) the loss and the
+    skipped steps; with any other optimizer the loss only, and says so once.
 
     Args:
         log_dir: TensorBoard log directory, or None.
@@ -171,18 +174,28 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_logs: dict = {}
         self._warned = False
 
+    def _optimizer(self):
+        optimizers = telemetry.optimizers_of(self.model)
+        return next(iter(optimizers.values())) if optimizers else None
+
     def on_train_begin(self, logs=None):
-        opt = optimizer_lib.scaling_of_model(self.model)
-        if opt is None and not self._warned:
-            logger.warning(
-                "kmp.callbacks.LossScaleMonitor: the model's optimizer (%s) "
-                "does not scale the loss (it is not a kmp.LossScaleOptimizer, "
-                "or one in mode 'none', as under bfloat16); logging the loss "
-                "only.",
-                type(getattr(self.model, "optimizer", None)).__name__,
-            )
+        opt = self._optimizer()
+        kmp_opt = isinstance(opt, optimizer_lib.LossScaleOptimizer)
+        if not self._warned:
+            if not kmp_opt and telemetry.loss_scale_of(opt) is None:
+                logger.warning(
+                    "kmp.callbacks.LossScaleMonitor: the model's optimizer (%s) "
+                    "neither scales the loss nor skips non-finite steps; logging "
+                    "the loss only. kmp.compile gives it kmp's.",
+                    type(opt).__name__,
+                )
+            elif kmp_opt and opt.mode == "none":
+                logger.info(
+                    "kmp.callbacks.LossScaleMonitor: no loss scaling (mode "
+                    "'none'); logging the loss and the skipped steps."
+                )
             self._warned = True
-        self._last_total = _numpy(opt.skipped_steps_total) if opt is not None else 0
+        self._last_total = _numpy(opt.skipped_steps_total) if kmp_opt else 0
         if self.log_dir is not None and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.csv_path is not None and self._csv_file is None:
@@ -230,16 +243,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _record(self) -> None:
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))
-        opt = optimizer_lib.scaling_of_model(self.model)
-        if opt is None:
-            record = StepRecord(self._step, self._epoch, loss, None, 0, None)
+        opt = self._optimizer()
+        scale_variable = telemetry.loss_scale_of(opt)
+        scale = None
+        if scale_variable is not None:
+            scale = float(logs.get("loss_scale", _numpy(scale_variable)))
+        if not isinstance(opt, optimizer_lib.LossScaleOptimizer):
+            record = StepRecord(self._step, self._epoch, loss, scale, 0, None)
         else:
-            if "loss_scale" in logs and "skipped_steps_total" in logs:
-                scale = float(logs["loss_scale"])
-                total = int(logs["skipped_steps_total"])
-            else:  # no telemetry metric attached: read the optimizer
-                scale = float(_numpy(opt.loss_scale))
-                total = _numpy(opt.skipped_steps_total)
+            total = int(
+                logs.get("skipped_steps_total", _numpy(opt.skipped_steps_total))
+            )
             skipped = total - self._last_total
             self._last_total = total
             sources = debug.last_overflow(self.model) if skipped else None
@@ -261,8 +275,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._writer is not None:
             values = [("kmp/loss", r.loss)]
             if r.loss_scale is not None:
+                values.append(("kmp/loss_scale", r.loss_scale))
+            if r.skipped_steps_total is not None:
                 values += [
-                    ("kmp/loss_scale", r.loss_scale),
                     ("kmp/skipped_steps", float(r.skipped)),
                     ("kmp/skipped_steps_total", float(r.skipped_steps_total)),
                 ]
@@ -378,11 +393,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
       input the most (exploding weights make their neighbours' gradients
       overflow).
 
-    Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32:
-    every step is applied) it acts when the loss is non-finite and the
-    weights have become inf/NaN, or after `max_consecutive_skips` non-finite
-    losses in a row. With another optimizer (no skipping) it acts when the
-    loss is non-finite and the weights have become inf/NaN.
+    Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32: no
+    scale to lower) it acts after `max_consecutive_skips` skipped steps in a
+    row, with the same diagnosis. With another optimizer (which applies
+    non-finite steps) it acts when the loss is non-finite and the weights
+    have become inf/NaN.
 
     Put it after a `LossScaleMonitor` in the callbacks list so that the
     monitor records the last step before the guard stops the run.
@@ -435,7 +450,6 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self.probe = probe
         self.probe_targets = probe_targets
         self.diagnosis: TrainingCollapsedError | None = None
-        self._nonfinite_losses = 0
 
     def _collapsed(self, logs) -> str | None:
         opt = optimizer_lib.of_model(self.model)
@@ -444,20 +458,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
             if loss is None or math.isfinite(float(loss)):
                 return None
             return None if self._weights_finite() else "weights"
-        if opt.mode == "none":
-            # Every step is applied: a non-finite one poisons the weights at
-            # once, which is then the cause to report.
-            finite = _numpy(opt.last_loss_finite)
-            if not finite and not self._weights_finite():
-                return "weights"
-            self._nonfinite_losses = 0 if finite else self._nonfinite_losses + 1
-            if self._nonfinite_losses >= self.max_consecutive_skips:
-                return "forward"
-            return None
         if _numpy(opt.consecutive_skips) < self.max_consecutive_skips:
             return None
         at_floor = (
-            opt.mode == "static" or _numpy(opt.loss_scale) <= opt.config.min_scale
+            opt.mode in ("static", "none")
+            or _numpy(opt.loss_scale) <= opt.config.min_scale
         )
         if not at_floor:
             return None
@@ -498,8 +503,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
             )
         if opt.mode == "none":
             head = (
-                f"Training collapsed: the loss was inf/NaN for "
-                f"{self.max_consecutive_skips} steps in a row."
+                f"Training collapsed: {self.max_consecutive_skips} steps in a row "
+                "were skipped (no loss scaling: nothing to lower)."
             )
         else:
             head = (

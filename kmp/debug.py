@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
+from kmp import telemetry
 from kmp import traversal
 from kmp.audit import AuditReport  # noqa: F401
 from kmp.audit import Risk  # noqa: F401
@@ -123,7 +124,7 @@ def overflow_sources(
     owner = _owners(model)
     layers: list[str] = []
     variables: list[str] = []
-    for finite, variable in zip(flags, opt._flag_variables, strict=True):
+    for finite, variable in zip(flags, opt.overflow_record.variables, strict=True):
         if finite:
             continue
         variables.append(variable.path)
@@ -356,9 +357,10 @@ def find_nonfinite(
                 "model's compiled loss, but the model is not compiled. Compile it "
                 "first, or call find_nonfinite(model, x) for the forward pass only."
             )
-        opt = optimizer_lib.scaling_of_model(model)
-        if opt is not None:
-            scale = float(opt.loss_scale)
+        # The optimizer's scale, kmp's or Keras's wrapper's.
+        variable = telemetry.loss_scale_of(getattr(model, "optimizer", None))
+        if variable is not None:
+            scale = float(keras.ops.convert_to_numpy(variable))
         with tf.GradientTape(persistent=True) as tape:
             values = probe(x, training=True)
             loss = model.compute_loss(

@@ -1,8 +1,12 @@
-"""The loss-scale state machine: pure TensorFlow, no Keras.
+"""The loss scale: its settings, its state machine, and the object that
+scales, unscales and adjusts.
 
-`next_state(config, state, grads_finite)` is the one transition function. The
-optimizer (inside `fit`), the scaled gradient tape and distributed training
-all call it; nothing else changes a loss scale.
+`next_state(config, state, grads_finite)` is the one transition function, and
+`LossScale` the one object that holds a scale: `scale(loss)`, `unscale(grads)`
+and `adjust(finite)`. The optimizer (inside `fit`), the scaled gradient tape,
+distributed training and `kmp.debug` all go through it; nothing else changes
+or applies a loss scale. Both are written with `keras.ops`; only the sparse
+gradients of `finite_flags` use TensorFlow's own ops.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 DYNAMIC = "dynamic"
@@ -28,13 +35,34 @@ class LossScaleError(ValueError):
     """A loss-scale setting is invalid."""
 
 
+def _as_number(value: Any, kinds: str) -> float | int | None:
+    """A real number (Python, numpy or a TensorFlow/Keras scalar) as Python's,
+    or None. `kinds` are the numpy dtype kinds accepted ('iuf', 'iu')."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value) if "f" in kinds else None
+    if getattr(value, "shape", None) == () or getattr(value, "ndim", None) == 0:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):
+            return None
+        if array.shape == () and array.dtype.kind in kinds:
+            return array.item()
+    return None
+
+
 def _check_positive_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = _as_number(value, "iuf")
+    if number is None:
         raise LossScaleError(
-            f"{name} must be a positive finite number. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})."
+            f"{name} must be a positive finite number (a Python, numpy or "
+            f"TensorFlow scalar). Received: {name}={value!r} (of type "
+            f"{type(value).__name__})."
         )
-    value = float(value)
+    value = float(number)
     if not math.isfinite(value) or value <= 0:
         raise LossScaleError(
             f"{name} must be a positive finite number. Received: {name}={value}. "
@@ -44,12 +72,13 @@ def _check_positive_finite(name: str, value: Any) -> float:
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    number = _as_number(value, "iu")
+    if number is None or number < 1:
         raise LossScaleError(
             f"{name} must be an integer >= 1. Received: {name}={value!r}. "
             f"Use, for example, {name}=2000 for growth_interval or 1 for hysteresis."
         )
-    return int(value)
+    return int(number)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +219,8 @@ class LossScaleState:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-def _saturating_increment(counter: tf.Tensor) -> tf.Tensor:
-    return tf.where(counter < COUNTER_MAX, counter + 1, counter)
+def _saturating_increment(counter):
+    return keras.ops.where(counter < COUNTER_MAX, counter + 1, counter)
 
 
 def next_state(
@@ -220,9 +249,11 @@ def next_state(
                     hysteresis_left -= 1
         last_finite = grads_finite
 
-    In `'static'` mode the scale never changes; in `'none'` mode nothing
-    changes at all (no step is ever skipped). The scale stays in
-    `[min_scale, max_scale]`, so it is never 0, inf or NaN.
+    In `'static'` mode the scale never changes; in `'none'` mode (no loss
+    scaling) the scale stays 1 and the counters count skipped steps as in
+    `'static'`: a non-finite step is skipped under every mode. The scale
+    stays in `[min_scale, max_scale]`, so it is never 0, inf or NaN. The
+    scale is a float32: `scale * growth_factor` is rounded to float32.
 
     Args:
         config: A `LossScaleConfig`.
@@ -232,69 +263,74 @@ def next_state(
     Returns:
         The next `LossScaleState`, of tensors. Works eagerly and in graphs.
     """
-    if config.mode == NONE:
-        return state
-    finite = tf.convert_to_tensor(grads_finite, tf.bool)
-    scale = tf.convert_to_tensor(state.scale, tf.float32)
-    good = tf.convert_to_tensor(state.good_steps, tf.int64)
-    hyst = tf.convert_to_tensor(state.hysteresis_left, tf.int64)
-    skipped = tf.convert_to_tensor(state.skipped_total, tf.int64)
-    consecutive = tf.convert_to_tensor(state.consecutive_skips, tf.int64)
+    ops = keras.ops
+    finite = ops.convert_to_tensor(grads_finite, "bool")
+    scale = ops.convert_to_tensor(state.scale, "float32")
+    good = ops.convert_to_tensor(state.good_steps, "int64")
+    hyst = ops.convert_to_tensor(state.hysteresis_left, "int64")
+    skipped = ops.convert_to_tensor(state.skipped_total, "int64")
+    consecutive = ops.convert_to_tensor(state.consecutive_skips, "int64")
 
     good_after = _saturating_increment(good)
+    zero = ops.zeros_like(good)
     if config.mode == DYNAMIC:
-        grow = tf.logical_and(finite, good_after >= config.growth_interval)
-        grown = tf.minimum(scale * config.growth_factor, config.max_scale)
-        backoff_now = tf.logical_and(tf.logical_not(finite), hyst <= 1)
-        backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
-        new_scale = tf.where(grow, grown, tf.where(backoff_now, backed_off, scale))
-        new_good = tf.where(
+        grow = ops.logical_and(finite, good_after >= config.growth_interval)
+        grown = ops.minimum(scale * config.growth_factor, config.max_scale)
+        backoff_now = ops.logical_and(ops.logical_not(finite), hyst <= 1)
+        backed_off = ops.maximum(scale * config.backoff_factor, config.min_scale)
+        new_scale = ops.where(grow, grown, ops.where(backoff_now, backed_off, scale))
+        new_good = ops.where(finite, ops.where(grow, zero, good_after), zero)
+        new_hyst = ops.where(
             finite,
-            tf.where(grow, tf.zeros_like(good), good_after),
-            tf.zeros_like(good),
+            ops.convert_to_tensor(config.hysteresis, "int64"),
+            ops.where(hyst <= 1, hyst, hyst - 1),
         )
-        new_hyst = tf.where(
-            finite,
-            tf.constant(config.hysteresis, tf.int64),
-            tf.where(hyst <= 1, hyst, hyst - 1),
-        )
-    else:  # static
+    else:  # static, and none (whose scale is 1)
         new_scale = scale
-        new_good = tf.where(finite, good_after, tf.zeros_like(good))
+        new_good = ops.where(finite, good_after, zero)
         new_hyst = hyst
     return LossScaleState(
         scale=new_scale,
         good_steps=new_good,
         hysteresis_left=new_hyst,
-        skipped_total=tf.where(finite, skipped, _saturating_increment(skipped)),
-        consecutive_skips=tf.where(
-            finite, tf.zeros_like(consecutive), _saturating_increment(consecutive)
+        skipped_total=ops.where(finite, skipped, _saturating_increment(skipped)),
+        consecutive_skips=ops.where(
+            finite, ops.zeros_like(consecutive), _saturating_increment(consecutive)
         ),
         last_finite=finite,
     )
 
 
-def _values(t: Any) -> tf.Tensor:
-    return t.values if isinstance(t, tf.IndexedSlices) else t
+def _values(t: Any):
+    """The values a gradient applies: for sparse gradients (IndexedSlices,
+    e.g. an Embedding's), the rows summed per index, as the update sums them:
+    each value may be finite while a repeated token's sum overflows."""
+    if isinstance(t, tf.IndexedSlices):
+        unique, position = tf.unique(t.indices)
+        return tf.math.unsorted_segment_sum(t.values, position, tf.shape(unique)[0])
+    return t
 
 
-def finite_flags(tensors: Iterable[Any]) -> tf.Tensor:
+def finite_flags(tensors: Iterable[Any]):
     """A bool vector, one entry per tensor: whether all its values are finite.
 
     `None` (no gradient) counts as finite, so entries line up with variables.
+    A sparse gradient counts as finite when its rows summed per index are.
     """
+    ops = keras.ops
     checks = [
-        tf.constant(True) if t is None else tf.reduce_all(tf.math.is_finite(_values(t)))
+        ops.convert_to_tensor(True) if t is None else ops.all(ops.isfinite(_values(t)))
         for t in tensors
     ]
     if not checks:
-        return tf.ones((0,), tf.bool)
-    return tf.stack(checks)
+        return ops.ones((0,), "bool")
+    return ops.stack(checks)
 
 
-def all_finite(tensors: Iterable[Any]) -> tf.Tensor:
+def all_finite(tensors: Iterable[Any]):
     """Returns a scalar bool tensor: True when every value of every tensor is
-    finite (no inf, no NaN). `None` entries (no gradient) are ignored.
+    finite (no inf, no NaN). `None` entries (no gradient) are ignored; a
+    sparse gradient is checked as it will be applied (rows summed per index).
 
     Args:
         tensors: Tensors, `tf.IndexedSlices` or `None`s (any flat iterable).
@@ -306,4 +342,121 @@ def all_finite(tensors: Iterable[Any]) -> tf.Tensor:
     >>> bool(kmp.all_finite([tf.constant([1.0, float("inf")])]))
     False
     """
-    return tf.reduce_all(finite_flags(tensors))
+    return keras.ops.all(finite_flags(tensors))
+
+
+# The optimizer's public name for each LossScaleState field.
+PUBLIC_NAMES = {
+    "scale": "loss_scale",
+    "good_steps": "good_steps",
+    "hysteresis_left": "hysteresis_left",
+    "skipped_total": "skipped_steps_total",
+    "consecutive_skips": "consecutive_skips",
+    "last_finite": "last_step_finite",
+}
+
+
+class LossScale:
+    """One loss scale: its `LossScaleConfig`, the variables that hold its
+    `LossScaleState`, and the three things done with them.
+
+    * `scale(loss)`: `loss * scale` (the loss itself when the mode is
+      `'none'`);
+    * `unscale(grads, variables)`: the gradients divided by the scale, in
+      float32 (float16 gradients would overflow at scales of 2**16 and up),
+      leaving the gradients of variables Keras overwrites with their
+      "gradient" (float8 scales and amax histories) alone;
+    * `adjust(finite)`: the step's outcome moves the state (`next_state`).
+
+    `kmp.LossScaleOptimizer` owns one; `kmp.ScaledGradientTape` and
+    `kmp.debug` use the optimizer's. Like JMP's `DynamicLossScale`, but its
+    state is variables, so that `fit`'s compiled step updates it in place.
+
+    Args:
+        config: The `LossScaleConfig`.
+        make_variable: Creates one state variable: called as
+            `make_variable(name, dtype, initial_value)` (the optimizer's
+            `add_variable`, so the state is saved with it).
+
+    Example:
+
+    >>> scale = kmp.loss_scale.LossScale(
+    ...     kmp.LossScaleConfig(initial_scale=8.0),
+    ...     lambda name, dtype, value: keras.Variable(value, dtype=dtype, name=name))
+    >>> float(scale.scale(keras.ops.convert_to_tensor(2.0)))
+    16.0
+    >>> [float(g) for g in scale.unscale([keras.ops.convert_to_tensor(16.0)])]
+    [2.0]
+    >>> scale.adjust(False)
+    >>> float(scale.value), int(scale.state.skipped_total)
+    (4.0, 1)
+    """
+
+    def __init__(self, config: LossScaleConfig, make_variable: Callable):
+        if not isinstance(config, LossScaleConfig):
+            raise TypeError(
+                "LossScale expects a kmp.LossScaleConfig. Received: "
+                f"{config!r} (of type {type(config).__name__})."
+            )
+        self.config = config
+        values = LossScaleState.initial_values(config)
+        self.state = LossScaleState(
+            *(
+                make_variable(PUBLIC_NAMES[field], dtype.name, value)
+                for (field, dtype), value in zip(
+                    LossScaleState.SPEC, values, strict=True
+                )
+            )
+        )
+
+    @property
+    def scaling(self) -> bool:
+        """Whether the loss is scaled at all (mode is not `'none'`)."""
+        return self.config.mode != NONE
+
+    @property
+    def value(self):
+        """The scale's variable (1.0 in mode `'none'`)."""
+        return self.state.scale
+
+    def scale(self, loss):
+        """Returns `loss * scale` (`loss` itself in mode `'none'`)."""
+        if not self.scaling:
+            return loss
+        loss = keras.ops.convert_to_tensor(loss)
+        return loss * keras.ops.cast(self.state.scale, loss.dtype)
+
+    def unscale(self, grads, variables=None, factor=None) -> list:
+        """Returns the gradients times `factor` (default `1 / scale`), in
+        float32. `None` gradients, and those of variables with
+        `overwrite_with_gradient` (Keras's float8 scales and histories, which
+        Keras overwrites with their "gradient"), are returned as they are."""
+        grads = list(grads)
+        if not self.scaling and factor is None:
+            return grads
+        if factor is None:
+            factor = 1.0 / keras.ops.convert_to_tensor(self.state.scale)
+        if variables is None:
+            variables = [None] * len(grads)
+
+        def times(values):
+            return keras.ops.cast(
+                keras.ops.cast(values, "float32") * factor, values.dtype
+            )
+
+        out = []
+        for g, v in zip(grads, variables, strict=True):
+            if g is None or getattr(v, "overwrite_with_gradient", False):
+                out.append(g)
+            elif isinstance(g, tf.IndexedSlices):
+                out.append(tf.IndexedSlices(times(g.values), g.indices, g.dense_shape))
+            else:
+                out.append(times(g))
+        return out
+
+    def adjust(self, finite) -> None:
+        """Moves the state after one optimizer step whose gradients were
+        (`finite=True`) or were not all finite."""
+        new = next_state(self.config, self.state, finite)
+        for variable, value in zip(self.state.fields(), new.fields(), strict=True):
+            variable.assign(value)

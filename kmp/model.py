@@ -1,7 +1,10 @@
-"""`kmp.compile`: `model.compile` with kmp's precision rules applied first."""
+"""`kmp.compile`: `model.compile` with kmp's precision rules applied first and
+every optimizer given kmp's loss scaling (or, where nothing computes in
+float16, kmp's skipping of non-finite steps)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import keras
@@ -9,43 +12,51 @@ import keras
 from kmp import fused
 from kmp import hardware
 from kmp import planning
-from kmp import policy as policy_lib
 from kmp import telemetry
 from kmp.optimizer import LossScaleOptimizer
 
 
 def compile(
-    model: keras.Model, *, fused_update: bool | None = None, **compile_kwargs: Any
+    model: keras.Model, *args: Any, fused_update: bool | None = None, **kwargs: Any
 ) -> keras.Model:
-    """Applies kmp's precision rules to `model`, then calls `model.compile`.
+    """Applies kmp's precision rules to `model`, then calls `model.compile`
+    with the same arguments, its optimizers wrapped in kmp's.
 
-    Use it in place of `model.compile(...)`: it takes the same arguments and
-    applies kmp's precision rules under a 16-bit policy (softmax, attention
-    scores under float16 and the model's outputs in float32; no layer's
-    interface with your code changes; see `kmp.rules`), without a second
-    call to remember. Under a float16 model
-    policy the optimizer is wrapped in `kmp.LossScaleOptimizer` (unless it
-    already is a loss-scale optimizer), so Keras's own wrapper is not used.
+    Use it in place of `model.compile(...)`: it takes the arguments of the
+    model's own `compile` (positional ones too, also for a model that defines
+    its own `compile`, such as a GAN's `compile(d_optimizer, g_optimizer,
+    loss_fn)`) and passes them on unchanged, except that every argument that
+    is a Keras optimizer (or the `optimizer` argument's name, such as
+    `"adam"`) becomes a `kmp.LossScaleOptimizer` around it:
 
-    Under a 16-bit policy the float32 weight update is fused by XLA where
-    that helps (`kmp.fused`: machines without GPUs or TPUs). So under
-    bfloat16 an optimizer of a class in `kmp.fused.TESTED` is wrapped too,
-    in a pass-through `kmp.LossScaleOptimizer` (mode `'none'`) that only
-    fuses the update, on every machine alike, so that saved optimizer state
-    stays portable.
+    * in mode `'dynamic'` when any layer of the model computes in float16
+      (read from the model's own layers, not the global policy: a model
+      built in a `kmp.policy_scope`, or a float16 part of a float32 model,
+      gets loss scaling);
+    * in mode `'none'` otherwise (bfloat16, float32): no scaling, but a step
+      whose gradients are inf/NaN is still skipped, counted and shown in
+      `History`; with `auto_scale_loss=False` too.
+
+    An optimizer that already is a loss-scale optimizer (kmp's or Keras's) is
+    kept. Under a 16-bit model the float32 weight update is fused by XLA
+    where that helps (`kmp.fused`). The precision report says what was
+    decided (`kmp.precision_report(model).loss_scaling`).
 
     Args:
         model: The Keras model to compile.
-        fused_update: `None` (default) fuses the optimizer update under a
-            16-bit policy where that helps (Keras optimizers of the classes
-            in `kmp.fused.TESTED`); `True` fuses it under any policy (float32
-            too); `False` never, and under bfloat16 leaves the optimizer
-            unwrapped. For an optimizer that already is a
-            `kmp.LossScaleOptimizer`, set it there instead.
-        **compile_kwargs: Passed to `model.compile` unchanged.
+        *args: Positional arguments of `model.compile`.
+        fused_update: `None` (default) fuses the optimizer update where that
+            helps when the model computes in a 16-bit dtype; `True` fuses it
+            under any policy (float32 too); `False` never. For an optimizer
+            that already is a `kmp.LossScaleOptimizer`, set it there instead.
+        **kwargs: Keyword arguments of `model.compile`.
 
     Returns:
         The same model, compiled.
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`, or the arguments do not
+            fit its `compile`.
 
     Example:
 
@@ -53,10 +64,9 @@ def compile(
     <Policy "mixed_bfloat16": ...>
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
     ...                           keras.layers.Dense(3, activation="softmax")])
-    >>> model = kmp.compile(model, optimizer="adam",
-    ...                     loss="sparse_categorical_crossentropy")
-    >>> model.layers[-1].compute_dtype
-    'float32'
+    >>> model = kmp.compile(model, "adam", "sparse_categorical_crossentropy")
+    >>> model.layers[-1].compute_dtype, model.optimizer.mode
+    ('float32', 'none')
 
     See also: `kmp.prepare`, `kmp.precision_report`.
     """
@@ -66,40 +76,161 @@ def compile(
             f"{model!r} (of type {type(model).__name__})."
         )
     fused.check_setting(fused_update)
-    optimizer = compile_kwargs.get("optimizer", "rmsprop")
-    wrapped = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if wrapped and fused_update is not None:
+    try:
+        bound = inspect.signature(model.compile).bind_partial(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"kmp.compile(model, ...) passes its arguments to "
+            f"{type(model).__name__}.compile, which does not take them: {e}."
+        ) from e
+    arguments = _flat_arguments(bound)
+    standard = type(model).compile is keras.Model.compile
+    for name, parameter in bound.signature.parameters.items():
+        # An optimizer the caller left at its default is wrapped too
+        # (Keras's "rmsprop", KerasHub's "auto").
+        if (
+            "optimizer" in name
+            and name not in arguments
+            and parameter.default is not inspect.Parameter.empty
+            and parameter.default is not None
+        ):
+            arguments[name] = parameter.default
+    candidates = {
+        name: value for name, value in arguments.items() if _is_optimizer(name, value)
+    }
+    kept = {
+        n: v
+        for n, v in candidates.items()
+        if isinstance(v, keras.optimizers.LossScaleOptimizer)
+    }
+    if kept and fused_update is not None:
         raise ValueError(
             "kmp.compile(fused_update=...) applies when kmp wraps the "
-            "optimizer, but the optimizer is already a "
-            f"{type(optimizer).__name__}. Set it there instead: "
+            f"optimizer, but {', '.join(kept)} already is a loss-scale "
+            "optimizer. Set it there instead: "
             "kmp.LossScaleOptimizer(inner, fused_update=...)."
         )
     planning.prepare(model)
-    policy = policy_lib.get(model.dtype_policy)
+    the_plan = planning.plan(model)
+    float16 = the_plan.computes_in_float16
+    sixteen = any(
+        d.policy is not None and d.policy.is_16bit for d in the_plan.decisions
+    )
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
-    hardware.apply_fast_paths(policy.compute_dtype)
-    if not wrapped:
-        if isinstance(optimizer, (str, dict)):  # resolve it once, as Keras would
-            optimizer = keras.optimizers.get(optimizer)
-        compile_kwargs["optimizer"] = _wrap(optimizer, policy, fused_update)
-    model.compile(**compile_kwargs)
+    hardware.apply_fast_paths("float16" if float16 else the_plan.base.compute_dtype)
+    scale = float16 and arguments.get("auto_scale_loss", True) is not False
+    wrapped: dict[str, Any] = {}
+    unresolved: dict[str, str] = {}
+    for name, value in candidates.items():
+        if name in kept:
+            wrapped[name] = value
+            continue
+        optimizer = _resolve(value)
+        if optimizer is None:
+            unresolved[name] = value  # the model's own compile resolves it
+            continue
+        wrapped[name] = arguments[name] = _wrap(optimizer, scale, sixteen, fused_update)
+    _call(model, bound, arguments)
+    if unresolved and standard is False:
+        # A name only the model's compile knows (KerasHub's "auto"): take
+        # what it made, wrap it, and compile again with the object.
+        resolved = getattr(model, "optimizer", None)
+        if isinstance(resolved, keras.optimizers.LossScaleOptimizer) and not (
+            isinstance(resolved, LossScaleOptimizer)
+        ):
+            resolved = resolved.inner_optimizer  # Keras's wrapper: replaced
+        if isinstance(resolved, keras.optimizers.Optimizer) and not isinstance(
+            resolved, LossScaleOptimizer
+        ):
+            name = next(iter(unresolved))
+            wrapped[name] = arguments[name] = _wrap(
+                resolved, scale, sixteen, fused_update
+            )
+            _call(model, bound, arguments)
+    if wrapped:
+        telemetry.register(model, wrapped)
     telemetry.attach(model)
     return model
 
 
-def _wrap(optimizer: Any, policy: policy_lib.Policy, fused_update: bool | None):
-    """The optimizer `kmp.compile` hands to Keras for this policy."""
-    if policy.needs_loss_scaling:
-        return LossScaleOptimizer(optimizer, mode="dynamic", fused_update=fused_update)
-    if fused_update or (
-        fused_update is None
-        and policy.compute_dtype == "bfloat16"
-        and fused.is_tested(optimizer)
-    ):
-        # A pass-through that only fuses the update. The wrapping does not
-        # depend on the machine (saved optimizer variables stay portable);
-        # whether the update is fused is decided when it is traced.
-        return LossScaleOptimizer(optimizer, mode="none", fused_update=fused_update)
-    return optimizer
+def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """The bound arguments by name, a `**kwargs` catch-all flattened in."""
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        parameter = bound.signature.parameters[name]
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            arguments[name] = value
+        else:
+            arguments[name] = value
+    return arguments
+
+
+def _call(model: keras.Model, bound: inspect.BoundArguments, arguments: dict) -> None:
+    """Calls `model.compile` with `arguments`, positional ones in place."""
+    args, kwargs = [], {}
+    parameters = bound.signature.parameters
+    for name, value in arguments.items():
+        parameter = parameters.get(name)
+        if parameter is not None and parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            args.extend(value)
+        elif parameter is not None and parameter.kind is (
+            inspect.Parameter.POSITIONAL_ONLY
+        ):
+            args.append(value)
+        else:
+            kwargs[name] = value
+    model.compile(*args, **kwargs)
+
+
+def _is_optimizer(name: str, value: Any) -> bool:
+    if isinstance(value, keras.optimizers.Optimizer):
+        return True
+    return "optimizer" in name and isinstance(value, (str, dict))
+
+
+def _resolve(value: Any) -> keras.optimizers.Optimizer | None:
+    """An optimizer object for a name or config, as Keras would resolve it,
+    or None for a name Keras does not know."""
+    if isinstance(value, keras.optimizers.Optimizer):
+        return value
+    try:
+        return keras.optimizers.get(value)
+    except ValueError:
+        return None
+
+
+def _wrap(
+    optimizer: Any, scale: bool, sixteen: bool, fused_update: bool | None
+) -> LossScaleOptimizer:
+    """The kmp optimizer that takes `optimizer`'s place."""
+    if fused_update is None and not sixteen:
+        fused_update = False  # float32 models: fused only when asked for
+    return LossScaleOptimizer(
+        optimizer, mode="dynamic" if scale else "none", fused_update=fused_update
+    )
+
+
+def describe_loss_scaling(model: keras.Model) -> str:
+    """In words: how `model`'s optimizers scale the loss (for reports)."""
+    optimizers = telemetry.optimizers_of(model)
+    if not optimizers:
+        return "not compiled"
+    float16 = planning.plan(model).computes_in_float16
+    why = "layers compute in float16" if float16 else "no layer computes in float16"
+    parts = []
+    for label, opt in optimizers.items():
+        if isinstance(opt, LossScaleOptimizer):
+            text = (
+                f"{opt.mode} (kmp.LossScaleOptimizer; non-finite steps skipped)"
+                if opt.mode != "none"
+                else "none (kmp.LossScaleOptimizer; non-finite steps skipped)"
+            )
+        elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
+            text = "dynamic (Keras's LossScaleOptimizer)"
+        else:
+            text = f"none ({type(opt).__name__}: non-finite steps are applied)"
+        parts.append(text if len(optimizers) == 1 else f"{label}: {text}")
+    return f"{'; '.join(parts)}: {why}"

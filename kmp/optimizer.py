@@ -1,23 +1,32 @@
 """`kmp.LossScaleOptimizer`: dynamic (or static) loss scaling around any Keras
-optimizer, inside `model.fit` and in custom loops.
+optimizer, inside `model.fit` and in custom loops; and, under every policy,
+no step whose gradients are inf/NaN.
 
 It subclasses `keras.optimizers.LossScaleOptimizer` so that Keras's `compile`
-recognises it and never wraps it a second time; the scaling itself is kmp's
-(`kmp.loss_scale.next_state`).
+recognises it and never wraps it a second time. It is a composition of
+kmp's parts, each in a module of its own: the loss scale (`kmp.loss_scale`),
+whether incoming gradients are still scaled (`kmp.unscaling`), the overflow
+record (`kmp.overflow`), gradient accumulation (`kmp.accumulation`), the
+agreement between replicas (`kmp.distribute`) and the fused update
+(`kmp.fused`).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
+import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from kmp import accumulation as accumulation_lib
+from kmp import distribute
 from kmp import fused
 from kmp import loss_scale as ls
-from kmp import policy as policy_lib
+from kmp import overflow as overflow_lib
+from kmp import unscaling
 
 logger = logging.getLogger("kmp")
 
@@ -31,17 +40,15 @@ _CLIPPING_ARGS = (
     "gradient_accumulation_steps",
 )
 # The optimizer's public name for each LossScaleState field.
-_PUBLIC_NAME = {
-    "scale": "loss_scale",
-    "good_steps": "good_steps",
-    "hysteresis_left": "hysteresis_left",
-    "skipped_total": "skipped_steps_total",
-    "consecutive_skips": "consecutive_skips",
-    "last_finite": "last_step_finite",
-}
+_PUBLIC_NAME = ls.PUBLIC_NAMES
 # The optimizer's loss-scale state, by public name.
 STATE_NAMES = tuple(_PUBLIC_NAME.values())
 _DEFAULT = ls.LossScaleConfig()
+# The version of the saved state's layout (`save_own_variables`): the state
+# is found by name. Files without it were saved by position.
+SAVE_FORMAT = 2
+_FORMAT_KEY = "kmp_format"
+_SEPARATOR = "|"  # not "/", which HDF5 reads as a group path
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -51,26 +58,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Each step: the loss is multiplied by the scale, the gradients are divided
     by it (in float32) and checked for inf/NaN, one flag per tensor reduced
-    to one decision, in the same pass; only finite steps reach
-    the inner optimizer (a skipped step changes no weight, no slot and not
+    to one decision, in the same pass; only finite steps reach the inner
+    optimizer (a skipped step changes no weight, no slot and not
     `iterations`); then the scale moves as `kmp.LossScaleConfig` describes.
     Clipping set on the inner optimizer acts on the unscaled gradients.
+
+    `apply` accepts the gradients of a scaled loss (Keras 3: `fit`, or a
+    plain tape on `scale_loss(loss)`), the unscaled gradients of a
+    `kmp.ScaledGradientTape` or of `get_unscaled_gradients` (clipped or not),
+    and the gradients of a loss no one scaled; it tells them apart by where
+    they came from (`kmp.unscaling`), and refuses sequences that would scale
+    twice.
+
+    With `mode='none'` nothing is scaled, but a step whose gradients are
+    inf/NaN is still skipped and counted: `kmp.compile` uses it for models
+    that compute in bfloat16 or float32.
 
     With `gradient_accumulation_steps=N` on the inner optimizer, an overflow
     anywhere in a window of N micro-batches skips the whole window, and the
     scale's growth interval counts optimizer steps, not micro-batches.
 
-    Under a policy that needs no loss scaling (bfloat16, float32) the
-    wrapper is a pass-through (mode `'none'`), so scripts need no branches.
-
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap (an
             instance or a name such as `"adam"`).
         initial_scale, growth_factor, backoff_factor, growth_interval,
-        min_scale, max_scale, hysteresis: See `kmp.LossScaleConfig`.
-        mode: `'dynamic'`, `'static'` (fixed scale) or `'none'`. By default
-            `'dynamic'` when the global policy computes in float16 and
-            `'none'` otherwise.
+        min_scale, max_scale, hysteresis: See `kmp.LossScaleConfig`. Any
+            real number type is accepted (Python, numpy, TensorFlow scalars).
+        mode: `'dynamic'` (default), `'static'` (fixed scale) or `'none'` (no
+            scaling; non-finite steps still skipped).
         fused_update: Whether the inner optimizer's update runs as one XLA
             program (`kmp.fused`): the same formulas, with the elementwise
             passes over the float32 weights fused. `None` (default) fuses
@@ -79,11 +94,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             or `False` force it (`True` also fuses other classes, such as
             your own).
         name: The optimizer's name.
+        dynamic_growth_steps: Keras's name for `growth_interval`.
 
     Example:
 
-    >>> kmp.set_policy("mixed_float16")
-    <Policy "mixed_float16": ...>
     >>> opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024)
     >>> opt
     <kmp.LossScaleOptimizer mode=dynamic initial_scale=1024.0 inner=SGD>
@@ -107,6 +121,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mode: str | None = None,
         fused_update: bool | None = None,
         name: str | None = None,
+        dynamic_growth_steps: int | None = None,
         **kwargs: Any,
     ):
         bad = [
@@ -124,10 +139,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise TypeError(
                 f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}. "
                 "It takes inner_optimizer, initial_scale, growth_factor, "
-                "backoff_factor, growth_interval, min_scale, max_scale, "
-                "hysteresis, mode, fused_update and name; optimizer settings "
-                "belong on the inner optimizer."
+                "backoff_factor, growth_interval (or dynamic_growth_steps), "
+                "min_scale, max_scale, hysteresis, mode, fused_update and name; "
+                "optimizer settings belong on the inner optimizer."
             )
+        if dynamic_growth_steps is not None:
+            if growth_interval != _DEFAULT.growth_interval and (
+                growth_interval != dynamic_growth_steps
+            ):
+                raise ValueError(
+                    "growth_interval and dynamic_growth_steps (Keras's name for "
+                    f"it) disagree: {growth_interval} and {dynamic_growth_steps}. "
+                    "Pass one of them."
+                )
+            growth_interval = dynamic_growth_steps
         if isinstance(inner_optimizer, str):
             inner_optimizer = keras.optimizers.get(inner_optimizer)
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
@@ -144,8 +169,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"Received: {inner_optimizer!r} (of type "
                 f"{type(inner_optimizer).__name__})."
             )
-        if mode is None:
-            mode = ls.DYNAMIC if policy_lib.get_policy().needs_loss_scaling else ls.NONE
         config = ls.LossScaleConfig(
             initial_scale=initial_scale,
             growth_factor=growth_factor,
@@ -154,7 +177,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             min_scale=min_scale,
             max_scale=max_scale,
             hysteresis=hysteresis,
-            mode=mode,
+            mode=ls.DYNAMIC if mode is None else mode,
         )
         super().__init__(
             inner_optimizer,
@@ -164,15 +187,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self.config = config
         self.fused_update = fused.check_setting(fused_update)
-        # Not tracked: it holds tf.functions, not state.
+        # Not tracked: these hold tf.functions and Python bookkeeping.
         object.__setattr__(self, "_fused_apply", fused.FusedApply(inner_optimizer))
-        # Gradient accumulation with loss scaling: an overflow anywhere in a
-        # window must skip the whole window, which the inner optimizer's own
-        # accumulation cannot do (it has no way to discard a window). kmp
-        # takes it over: it accumulates unscaled micro-batch gradients and
-        # hands the inner optimizer one mean gradient per window.
+        object.__setattr__(self, "_ledger", unscaling.Ledger())
+        object.__setattr__(self, "_warned_never_scaled", False)
+        object.__setattr__(self, "_state_variables", {})
+        # Gradient accumulation with loss scaling: kmp takes it over from the
+        # inner optimizer (kmp.accumulation).
         self.gradient_accumulation_steps_taken = None
-        if config.mode != ls.NONE and inner_optimizer.gradient_accumulation_steps:
+        object.__setattr__(self, "_accumulation", None)
+        if inner_optimizer.gradient_accumulation_steps:
             if inner_optimizer.built:
                 raise ValueError(
                     "The inner optimizer is already built with gradient "
@@ -183,26 +207,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 inner_optimizer.gradient_accumulation_steps
             )
             inner_optimizer.gradient_accumulation_steps = None
-        # The loss-scale state, plus whether the last loss was finite. Created
-        # here, like Keras's own `iterations`, so that telemetry can read it
-        # (and the trainer's first trace can write it) before `build`.
-        values = ls.LossScaleState.initial_values(config)
-        for (field, dtype), value in zip(ls.LossScaleState.SPEC, values, strict=True):
-            self._add_scalar(_PUBLIC_NAME[field], dtype.name, value)
-        self._add_scalar("last_loss_finite", "bool", True)
-        # Whether the loss was finite at the last *skipped* step.
-        self._add_scalar("overflow_loss_finite", "bool", True)
-        # Whether the gradients the next apply() receives are already
-        # unscaled: set by the APIs that hand out unscaled gradients
-        # (ScaledGradientTape.gradient, get_unscaled_gradients), cleared by
-        # scale_loss and by apply. A variable, not Python state, so that it
-        # holds when gradients and apply live in different tf.functions.
-        self._add_scalar("grads_unscaled", "bool", False)
+            object.__setattr__(
+                self,
+                "_accumulation",
+                accumulation_lib.Accumulation(self.gradient_accumulation_steps_taken),
+            )
+        # Created here, like Keras's own `iterations`, so that telemetry can
+        # read them (and the trainer's first trace write them) before `build`.
+        object.__setattr__(self, "_scale", ls.LossScale(config, self._state_variable))
+        object.__setattr__(
+            self, "_overflow", overflow_lib.OverflowRecord(self._state_variable)
+        )
+        # What the last step context left for apply, at run time: a control
+        # value, not state (never saved; see kmp.unscaling).
+        self._make_variable("pending_gradients", "int32", unscaling.PENDING_NONE)
 
     def __repr__(self) -> str:
         inner = type(self.inner_optimizer).__name__
         if self.config.mode == ls.NONE:
-            return f"<kmp.LossScaleOptimizer mode=none (pass-through) inner={inner}>"
+            return f"<kmp.LossScaleOptimizer mode=none (no scaling) inner={inner}>"
         return (
             f"<kmp.LossScaleOptimizer mode={self.config.mode} "
             f"initial_scale={self.config.initial_scale} inner={inner}>"
@@ -210,14 +233,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def mode(self) -> str:
-        """`'dynamic'`, `'static'` or `'none'` (pass-through)."""
+        """`'dynamic'`, `'static'` or `'none'` (no scaling)."""
         return self.config.mode
 
     # --- state ----------------------------------------------------------
 
-    def _add_scalar(self, name: str, dtype: str, value: Any) -> None:
+    def _make_variable(self, name: str, dtype: str, value: Any, shape=()):
         variable = self.add_variable(
-            shape=(),
+            shape=shape,
             dtype=dtype,
             initializer=keras.initializers.Constant(value),
             # Every replica computes the same value (decisions are agreed on
@@ -227,70 +250,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         # Bypass Keras's attribute tracking: add_variable already tracked it.
         object.__setattr__(self, f"_{name}", variable)
+        return variable
+
+    def _state_variable(self, name: str, dtype: str, value: Any, shape=()):
+        """A variable that is state: saved by name."""
+        variable = self._make_variable(name, dtype, value, shape)
+        self._state_variables[name] = variable
+        return variable
 
     def build(self, var_list):
+        if distribute.in_multi_replica_context():
+            raise RuntimeError(
+                "kmp.LossScaleOptimizer is being built inside strategy.run, once "
+                "per replica, which cannot create one set of variables. Build it "
+                "before the first strategy.run, inside strategy.scope(): "
+                "optimizer.build(model.trainable_variables) (Keras's own "
+                "LossScaleOptimizer needs the same)."
+            )
         # An explicit fused_update=True under a strategy fails here, before
         # any collective is traced (apply checks again for custom loops).
         fused.resolve(self.fused_update)
-        # Per-variable finiteness of the last skipped step's gradients, in
-        # `var_list` order: which variables overflowed (kmp.debug reads it).
-        self._overflow_flags = self.add_variable(
-            shape=(len(var_list),),
-            dtype="bool",
-            initializer=keras.initializers.Constant(True),
-            aggregation="only_first_replica",
-            name="overflow_flags",
-        )
-        self._variable_index = {id(v): i for i, v in enumerate(var_list)}
-        # Plain attribute (not tracked: these are the model's variables).
-        object.__setattr__(self, "_flag_variables", tuple(var_list))
-        if self.gradient_accumulation_steps_taken:
-            strategy = tf.distribute.get_strategy()
-            if strategy.num_replicas_in_sync > 1:
+        self._overflow.build(var_list)
+        if self._accumulation is not None:
+            if tf.distribute.get_strategy().num_replicas_in_sync > 1:
                 raise NotImplementedError(
                     "Gradient accumulation with loss scaling is not supported "
-                    f"under {type(strategy).__name__} yet (kmp would have to "
-                    "agree on whole windows across replicas). Use a larger "
-                    "global batch instead of gradient_accumulation_steps, or "
-                    "train on one device."
+                    f"under {type(tf.distribute.get_strategy()).__name__} yet "
+                    "(kmp would have to agree on whole windows across replicas). "
+                    "Use a larger global batch instead of "
+                    "gradient_accumulation_steps, or train on one device."
                 )
-            self._micro_step = self.add_variable(
-                shape=(),
-                dtype="int64",
-                initializer="zeros",
-                aggregation="none",
-                name="micro_step",
-            )
-            self._window_finite = self.add_variable(
-                shape=(),
-                dtype="bool",
-                initializer=keras.initializers.Constant(True),
-                aggregation="none",
-                name="window_finite",
-            )
-            self._accumulators = [
-                self.add_variable_from_reference(v, name="gradient_accumulator")
-                for v in var_list
-            ]
+
+            def like(reference, name):
+                variable = self.add_variable_from_reference(reference, name=name)
+                self._state_variables[f"{reference.path}_{name}"] = variable
+                return variable
+
+            self._accumulation.build(var_list, self._state_variable, like)
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
-        if self.mode == ls.NONE and policy_lib.get_policy().needs_loss_scaling:
-            logger.warning(
-                "kmp.LossScaleOptimizer was created under a policy without loss "
-                "scaling but is used under %s: float16 gradients may underflow. "
-                "Create it after kmp.set_policy(...), or pass mode='dynamic'.",
-                policy_lib.get_policy().name,
-            )
-
-    def _state(self) -> ls.LossScaleState:
-        return ls.LossScaleState(
-            *(getattr(self, f"_{_PUBLIC_NAME[f]}") for f, _ in ls.LossScaleState.SPEC)
-        )
 
     @property
     def loss_scale(self) -> keras.Variable:
         """The current loss scale (a float32 variable; 1.0 in mode `'none'`)."""
-        return self._loss_scale
+        return self._scale.value
 
     @property
     def dynamic_scale(self) -> keras.Variable:
@@ -298,133 +301,138 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.loss_scale
 
     @property
+    def loss_scale_object(self) -> ls.LossScale:
+        """The `kmp.loss_scale.LossScale` this optimizer scales with."""
+        return self._scale
+
+    @property
     def skipped_steps_total(self) -> keras.Variable:
         """Steps skipped because of non-finite gradients, in total."""
-        return self._skipped_steps_total
+        return self._scale.state.skipped_total
 
     @property
     def consecutive_skips(self) -> keras.Variable:
         """Steps skipped in a row, up to and including the last one."""
-        return self._consecutive_skips
+        return self._scale.state.consecutive_skips
 
     @property
     def good_steps(self) -> keras.Variable:
         """Finite steps since the scale last changed."""
-        return self._good_steps
+        return self._scale.state.good_steps
 
     @property
     def hysteresis_left(self) -> keras.Variable:
         """Overflows still tolerated before the next backoff."""
-        return self._hysteresis_left
+        return self._scale.state.hysteresis_left
 
     @property
     def last_step_finite(self) -> keras.Variable:
         """Whether the last step's gradients were finite (it was applied)."""
-        return self._last_step_finite
+        return self._scale.state.last_finite
 
     @property
     def last_loss_finite(self) -> keras.Variable:
         """Whether the last loss (before scaling) was finite. False means the
         forward pass itself overflowed, not the gradients."""
-        return self._last_loss_finite
+        return self._overflow.last_loss_finite
+
+    @property
+    def overflow_record(self) -> overflow_lib.OverflowRecord:
+        """The record of the last skipped step (`kmp.overflow`)."""
+        return self._overflow
 
     @property
     def overflow_loss_finite(self) -> keras.Variable:
         """Whether the loss was finite at the last skipped step (False: that
         step's overflow was in the forward pass)."""
-        return self._overflow_loss_finite
+        return self._overflow.loss_finite
 
     @property
     def overflow_flags(self) -> keras.Variable:
         """Per trainable variable (in build order): False where the last
         skipped step's gradient held inf/NaN. See `kmp.debug.last_overflow`."""
-        if not self.built:
-            raise ValueError(
-                "overflow_flags is not available yet: it is created when the "
-                "optimizer is built, which it is not. Train a step first, or call "
-                "optimizer.build(model.trainable_variables)."
-            )
-        return self._overflow_flags
+        return self._overflow.flags
 
-    def _current_scale(self):
-        if self.mode == ls.NONE:
-            return None
-        return self._loss_scale
-
-    def in_training_step(self) -> bool:
-        """Whether the graph being built (or eager code) is one in which this
-        optimizer scaled a loss: a training step."""
-        ref = getattr(self, "_train_graph", None)
-        return ref is not None and ref() is tf.compat.v1.get_default_graph()
-
-    def _record_loss(self, loss) -> None:
-        self._last_loss_finite.assign(_agree(tf.reduce_all(tf.math.is_finite(loss))))
+    def took_step(self) -> bool:
+        """Whether this optimizer applied a step in the current step context
+        (the graph being traced, or eagerly) since the last call: a training
+        step. Telemetry reports only there, so evaluation is unchanged."""
+        return self._ledger.took_step()
 
     # --- scaling ----------------------------------------------------------
 
-    def scale_loss(self, loss):
-        """Returns `loss * scale` (Keras's trainer calls this inside `fit`)."""
-        _check_loss(loss, self.mode)
-        self._record_loss(loss)
-        self._grads_unscaled.assign(False)
-        # Which graph is a training step: kmp.telemetry reports only there
-        # (not in evaluate). Trace-time bookkeeping, read at trace time.
-        object.__setattr__(
-            self, "_train_graph", weakref.ref(tf.compat.v1.get_default_graph())
+    def _record_loss(self, loss) -> None:
+        self._overflow.record_loss(
+            distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
         )
-        scale = self._current_scale()
-        if scale is None:
-            return loss
-        return loss * tf.cast(scale, loss.dtype)
+
+    def scale_loss(self, loss):
+        """Returns `loss * scale` (Keras's trainer calls this inside `fit`).
+
+        Accepts a tensor or a Python number; refuses a loss computed in
+        float16 (a scaled float16 loss overflows) and a loss scaled inside a
+        recording `kmp.ScaledGradientTape` (which scales it already).
+        """
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            loss = tf.constant(loss, "float32")  # Keras's wrapper accepts numbers
+        loss = tf.convert_to_tensor(loss)
+        _check_loss(loss, self.mode)
+        self._ledger.scaled_loss()
+        self._record_loss(loss)
+        self._pending_gradients.assign(unscaling.PENDING_SCALED_LOSS)
+        return self._scale.scale(loss)
 
     def get_scaled_loss(self, loss):
-        """tf.keras 2 spelling: returns `loss * scale`.
+        """tf.keras 2 spelling: returns `loss * scale` (a callable returning
+        the loss is called first, as tf.keras 2 allowed).
 
         Pair it with `get_unscaled_gradients` and `apply_gradients`, as in
         TensorFlow's mixed-precision guide.
         """
+        if callable(loss):
+            loss = loss()
         return self.scale_loss(loss)
 
-    def _unscale(self, grads, variables=None, factor=None):
-        """Multiplies gradients by `factor` (default 1/scale), in float32.
+    def get_unscaled_gradients(self, grads, variables=None):
+        """tf.keras 2 spelling: returns `grads / scale`; pass the result
+        (clipped as you like) to `apply_gradients` or `apply`, which will not
+        unscale it again. Unscaling these once more is an error.
 
-        Gradients of variables Keras overwrites with their "gradient"
-        (float8 scales and histories) are left alone, as Keras's wrapper does.
+        Args:
+            grads: Gradients of a scaled loss.
+            variables: Optional, their variables, so that Keras's
+                overwrite-with-gradient variables (float8 scales) are left
+                alone.
         """
-        if self._current_scale() is None:
-            return list(grads)
-        if factor is None:
-            factor = 1.0 / tf.convert_to_tensor(self._loss_scale)
-        if variables is None:
-            variables = [None] * len(grads)
+        grads = list(grads)
+        unscaled = self._scale.unscale(grads, variables)
+        self._ledger.handing_out(grads, unscaled)
+        self._pending_gradients.assign(unscaling.PENDING_UNSCALED)
+        return unscaled
 
-        def times(values):
-            return tf.cast(tf.cast(values, tf.float32) * factor, values.dtype)
+    def unscaled_from_tape(self, grads, variables):
+        """The tape's part: `grads`, computed from a backward pass seeded
+        with the scale, unscaled and marked so that `apply` takes them as
+        they are. (`kmp.ScaledGradientTape` calls it.)"""
+        unscaled = self._scale.unscale(grads, variables)
+        self._ledger.handing_out([], unscaled)
+        self._pending_gradients.assign(unscaling.PENDING_UNSCALED)
+        return unscaled
 
-        out = []
-        for g, v in zip(grads, variables, strict=True):
-            if g is None or getattr(v, "overwrite_with_gradient", False):
-                out.append(g)
-            elif isinstance(g, tf.IndexedSlices):
-                out.append(tf.IndexedSlices(times(g.values), g.indices, g.dense_shape))
-            else:
-                out.append(times(g))
-        return out
-
-    def get_unscaled_gradients(self, grads):
-        """tf.keras 2 spelling: returns `grads / scale`; pass the result to
-        `apply_gradients` or `apply`, which will not unscale them again."""
-        grads = self._unscale(list(grads))
-        if self._current_scale() is not None:
-            self._grads_unscaled.assign(True)
-        return grads
+    def tape_recording(self, entered: bool) -> None:
+        """A `kmp.ScaledGradientTape` of this optimizer started (or stopped)
+        recording in the current step context."""
+        if entered:
+            self._ledger.tape_entered()
+        else:
+            self._ledger.tape_exited()
 
     # --- applying ----------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
-        """Unscales `grads` (unless they came unscaled from a
-        `ScaledGradientTape` or `get_unscaled_gradients`), applies them with
-        the inner optimizer only if all are finite, and updates the scale.
+        """Applies `grads` with the inner optimizer only if all are finite,
+        unscaling them first if they are the gradients of a scaled loss (see
+        the class docstring), and moves the scale.
 
         Returns:
             A scalar bool tensor: whether the step was applied.
@@ -440,114 +448,77 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(list(trainable_variables))
             self.built = True
         fused.resolve(self.fused_update)  # raises for True under a strategy
-        if self.mode == ls.NONE:
-            self._apply_inner(grads, trainable_variables)
-            return tf.constant(True)
         variables = (
             self._trainable_variables
             if trainable_variables is None
             else list(trainable_variables)
         )
-        factor = tf.where(
-            tf.convert_to_tensor(self._grads_unscaled),
-            tf.constant(1.0),
-            1.0 / tf.convert_to_tensor(self._loss_scale),
-        )
-        grads = self._unscale(grads, variables, factor)
-        self._grads_unscaled.assign(False)
+        grads = self._unscale_for_apply(grads, variables)
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.
-        flags = _agree(ls.finite_flags(grads))
+        flags = distribute.agree(ls.finite_flags(grads))
         finite = tf.reduce_all(flags)
-        by_variable = self._flags_by_variable(flags, variables)
-        if self.gradient_accumulation_steps_taken:
-            self._record_overflow(by_variable, finite)
-            return self._accumulate(grads, trainable_variables, finite)
-        return self._step(grads, variables, finite, by_variable)
-
-    def _flags_by_variable(self, flags, variables):
-        """Places per-gradient flags at their variables' build positions."""
-        n = self._overflow_flags.shape[0]
-        unknown = [v for v in variables if id(v) not in self._variable_index]
-        if unknown:
-            raise ValueError(
-                f"apply() received variables the optimizer was not built with: "
-                f"{', '.join(getattr(v, 'path', str(v)) for v in unknown)}. "
-                "Expected a subset of the variables passed to build() (or to the "
-                "first apply()). Use one optimizer per set of variables."
-            )
-        positions = [self._variable_index[id(v)] for v in variables]
-        if positions == list(range(n)):
-            return flags
-        return tf.tensor_scatter_nd_update(
-            tf.ones((n,), tf.bool), [[p] for p in positions], flags
-        )
-
-    def _record_overflow(self, by_variable, finite) -> None:
-        """Keeps the per-variable flags of the latest non-finite step."""
-        self._overflow_flags.assign(
-            tf.where(finite, tf.convert_to_tensor(self._overflow_flags), by_variable)
-        )
-        self._overflow_loss_finite.assign(
-            tf.where(
+        by_variable = self._overflow.by_variable(flags, variables)
+        if self._accumulation is not None:
+            self._overflow.record(by_variable, finite)
+            applied = self._accumulation.add(
+                grads,
+                variables,
                 finite,
-                tf.convert_to_tensor(self._overflow_loss_finite),
-                tf.convert_to_tensor(self._last_loss_finite),
+                lambda mean, window_finite: distribute.step_if_finite(
+                    window_finite, self._apply_inner, mean, variables, self._adjust
+                ),
             )
+        else:
+            applied = distribute.step_if_finite(
+                finite, self._apply_inner, grads, variables, self._adjust, by_variable
+            )
+        self._ledger.applied()
+        return applied
+
+    def _unscale_for_apply(self, grads, variables):
+        """The gradients as the inner optimizer must see them: unscaled."""
+        decision = self._ledger.decide(grads)
+        pending = self._pending_gradients
+        if decision == unscaling.AT_RUN_TIME and tf.executing_eagerly():
+            handed_out = int(pending.numpy()) == unscaling.PENDING_UNSCALED
+            decision = unscaling.UNSCALED if handed_out else unscaling.SCALED
+        pending.assign(unscaling.PENDING_NONE)
+        if decision == unscaling.NEVER_SCALED:
+            self._warn_never_scaled()
+        if not self._scale.scaling:
+            return grads
+        if decision == unscaling.SCALED:
+            return self._scale.unscale(grads, variables)
+        if decision == unscaling.AT_RUN_TIME:
+            factor = tf.where(
+                tf.equal(tf.convert_to_tensor(pending), unscaling.PENDING_UNSCALED),
+                tf.constant(1.0),
+                1.0 / tf.convert_to_tensor(self.loss_scale),
+            )
+            return self._scale.unscale(grads, variables, factor)
+        return grads
+
+    def _warn_never_scaled(self) -> None:
+        if self._warned_never_scaled or not self._scale.scaling:
+            return
+        object.__setattr__(self, "_warned_never_scaled", True)
+        warnings.warn(
+            "kmp.LossScaleOptimizer.apply() received gradients of a loss that "
+            "was never scaled (a custom train_step or loop that does not call "
+            "scale_loss). kmp applies them as they are, so the updates have the "
+            "right size, but float16 gradients may underflow without scaling. "
+            "Scale the loss before taking gradients (also if you multiplied it by "
+            "the scale yourself): loss = self.optimizer.scale_loss(loss)",
+            UserWarning,
+            stacklevel=3,
         )
 
-    def _update_state(self, finite, by_variable=None) -> None:
-        """The one place the loss-scale state moves (`next_state`)."""
+    def _adjust(self, finite, by_variable=None) -> None:
+        """The one place the loss-scale state moves (`LossScale.adjust`)."""
         if by_variable is not None:
-            self._record_overflow(by_variable, finite)
-        new = ls.next_state(self.config, self._state(), finite)
-        for variable, value in zip(self._state().fields(), new.fields(), strict=True):
-            variable.assign(value)
-
-    def _step(self, grads, variables, finite, by_variable=None):
-        """One optimizer step: apply if finite, then move the scale.
-
-        Under a tf.distribute strategy that needs merge calls (Mirrored),
-        the inner optimizer's apply (which all-reduces the gradients) cannot
-        sit inside a condition in replica context; as Keras's own wrapper
-        does, the condition and the state update then run once, in
-        cross-replica context, and each replica applies inside it.
-        """
-        context = tf.distribute.get_replica_context()
-        needs_merge = (
-            context is not None
-            and tf.distribute.has_strategy()
-            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
-        )
-        if not needs_merge:
-
-            def apply_inner():
-                self._apply_inner(grads, variables)
-                return tf.constant(True)
-
-            tf.cond(finite, apply_inner, lambda: tf.constant(False))
-            self._update_state(finite, by_variable)
-            return finite
-
-        def cross_replica(distribution, grads, variables, finite, by_variable):
-            # Every replica agreed on `finite`: take the first replica's.
-            finite = distribution.experimental_local_results(finite)[0]
-            if by_variable is not None:
-                by_variable = distribution.experimental_local_results(by_variable)[0]
-
-            def apply_inner():
-                distribution.extended.call_for_each_replica(
-                    self.inner_optimizer.apply, args=(grads, variables)
-                )
-                return tf.constant(True)
-
-            tf.cond(finite, apply_inner, lambda: tf.constant(False))
-            self._update_state(finite, by_variable)
-            return finite
-
-        return context.merge_call(
-            cross_replica, args=(grads, variables, finite, by_variable)
-        )
+            self._overflow.record(by_variable, finite)
+        self._scale.adjust(finite)
 
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""
@@ -555,50 +526,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._fused_apply(grads, variables)
         else:
             self.inner_optimizer.apply(grads, variables)
-
-    def _accumulate(self, grads, trainable_variables, finite):
-        """One micro-batch of a gradient-accumulation window.
-
-        Finite micro-batch gradients (unscaled) are summed; at the window's
-        last micro-batch the mean is applied only if every micro-batch of the
-        window was finite, and the scale moves once: the growth interval and
-        the skip counters count optimizer steps (windows), not micro-batches.
-        """
-        steps = self.gradient_accumulation_steps_taken
-        variables = (
-            self._trainable_variables
-            if trainable_variables is None
-            else list(trainable_variables)
-        )
-        accumulators = [
-            self._accumulators[self._variable_index[id(v)]] for v in variables
-        ]
-        for accumulator, g in zip(accumulators, grads, strict=True):
-            if g is not None:
-                g = tf.convert_to_tensor(g)
-                accumulator.assign_add(tf.where(finite, g, tf.zeros_like(g)))
-        window_finite = tf.logical_and(
-            tf.convert_to_tensor(self._window_finite), finite
-        )
-        micro_step = self._micro_step + 1
-        self._micro_step.assign(micro_step)
-
-        def close_window():
-            mean = [
-                None if g is None else a / steps
-                for a, g in zip(accumulators, grads, strict=True)
-            ]
-            applied = self._step(mean, variables, window_finite)
-            for accumulator in accumulators:
-                accumulator.assign(tf.zeros_like(accumulator))
-            self._window_finite.assign(True)
-            return applied
-
-        def continue_window():
-            self._window_finite.assign(window_finite)
-            return tf.constant(False)
-
-        return tf.cond(micro_step % steps == 0, close_window, continue_window)
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
@@ -610,7 +537,69 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "statefully; stateless_apply is for JAX."
         )
 
-    # --- serialization ------------------------------------------------------
+    # --- saving ---------------------------------------------------------------
+
+    def _saved_variables(self) -> dict[str, Any]:
+        """name -> variable, for everything that is state: kmp's own (the loss
+        scale, the overflow record, an open accumulation window) and the
+        inner optimizer's, by their paths. Not saved: control values and the
+        wrapper's own unused `iterations` and learning rate."""
+        saved = {f"kmp{_SEPARATOR}{n}": v for n, v in self._state_variables.items()}
+        for variable in self.inner_optimizer.variables:
+            saved[f"inner{_SEPARATOR}{variable.path}"] = variable
+        return saved
+
+    def save_own_variables(self, store) -> None:
+        """Saves the state by name, with the layout's version (Keras saves
+        optimizers by position, which breaks when the variable list
+        changes)."""
+        store[_FORMAT_KEY] = np.asarray(SAVE_FORMAT)
+        for key, variable in self._saved_variables().items():
+            store[key] = keras.ops.convert_to_numpy(variable)
+
+    def load_own_variables(self, store) -> None:
+        """Restores the state saved by `save_own_variables`, by name; an
+        older file (saved by position) is read by position, with a warning."""
+        keys = set(store.keys())
+        if _FORMAT_KEY not in keys:
+            self._load_by_position(store)
+            return
+        saved = self._saved_variables()
+        missing = [k for k in saved if k not in keys]
+        unknown = sorted(k for k in keys - set(saved) if k != _FORMAT_KEY)
+        for key, variable in saved.items():
+            if key in keys:
+                variable.assign(store[key])
+        if missing or unknown:
+            warnings.warn(
+                f"kmp.LossScaleOptimizer {self.name!r}: restored the optimizer "
+                f"state by name; not in the file (kept at their initial values): "
+                f"{', '.join(missing) or 'none'}; in the file but not in this "
+                f"optimizer (ignored): {', '.join(unknown) or 'none'}.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _load_by_position(self, store) -> None:
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            warnings.warn(
+                f"kmp.LossScaleOptimizer {self.name!r}: the file holds "
+                f"{len(store.keys())} optimizer variables saved by position (an "
+                f"older kmp), this optimizer has {len(variables)}: the optimizer "
+                "state is not restored.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        warnings.warn(
+            f"kmp.LossScaleOptimizer {self.name!r}: restoring optimizer state "
+            "saved by position (an older kmp); save again to store it by name.",
+            UserWarning,
+            stacklevel=3,
+        )
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
 
     def get_config(self) -> dict[str, Any]:
         config = self.config.get_config()
@@ -641,26 +630,6 @@ def of_model(model: Any) -> LossScaleOptimizer | None:
     """The model's optimizer if it is a `kmp.LossScaleOptimizer`, else None."""
     opt = getattr(model, "optimizer", None)
     return opt if isinstance(opt, LossScaleOptimizer) else None
-
-
-def scaling_of_model(model: Any) -> LossScaleOptimizer | None:
-    """The model's `kmp.LossScaleOptimizer` if it scales the loss (not a
-    pass-through in mode `'none'`), else None."""
-    opt = of_model(model)
-    return None if opt is None or opt.mode == ls.NONE else opt
-
-
-def _agree(flags):
-    """ANDs boolean flags across the replicas of a tf.distribute strategy (an
-    all-reduce SUM of the non-finite counts), so that every replica makes the
-    same decision. Outside a multi-replica context it returns them unchanged."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return flags
-    bad = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(flags), tf.float32)
-    )
-    return tf.equal(bad, 0.0)
 
 
 def _check_loss(loss, mode: str) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import keras
 
+from kmp import model as model_lib
 from kmp import planning
 from kmp import policy as policy_lib
 from kmp import tracing
@@ -58,6 +59,8 @@ class PrecisionReport:
         rows: One `LayerPrecision` per layer.
         outputs: The dtypes of the model's outputs, as traced.
         not_traced: Why the model was not traced, or `''` when it was.
+        loss_scaling: How the model's optimizers scale the loss, and why
+            (`kmp.compile` decides it from the model's own layers).
     """
 
     model_name: str
@@ -65,6 +68,7 @@ class PrecisionReport:
     rows: tuple[LayerPrecision, ...]
     outputs: tuple[str, ...] = ()
     not_traced: str = ""
+    loss_scaling: str = ""
 
     def __iter__(self) -> Iterator[LayerPrecision]:
         return iter(self.rows)
@@ -96,6 +100,8 @@ class PrecisionReport:
         ]
         if self.outputs:
             lines.append(f"Outputs: {', '.join(self.outputs)}")
+        if self.loss_scaling:
+            lines.append(f"Loss scaling: {self.loss_scaling}")
         if self.not_traced:
             lines.append(f"Not traced: {self.not_traced}.")
         return "\n".join(lines)
@@ -212,4 +218,9 @@ def precision_report(
         tuple(rows),
         outputs=traced.outputs if traced is not None else (),
         not_traced=(traced.error or "") if traced is not None else "",
+        loss_scaling=(
+            model_lib.describe_loss_scaling(model)
+            if isinstance(model, keras.Model) and model.compiled
+            else ""
+        ),
     )

@@ -66,6 +66,21 @@ class ScaledGradientTape(tf.GradientTape):
     def optimizer(self) -> LossScaleOptimizer:
         return self._optimizer
 
+    def __enter__(self):
+        # While it records, a scale_loss() in the same step would scale twice.
+        self._optimizer.tape_recording(True)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._optimizer.tape_recording(False)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._optimizer.tape_recording(False)
+
     def gradient(
         self,
         target: Any,
@@ -76,23 +91,29 @@ class ScaledGradientTape(tf.GradientTape):
         """Returns the unscaled gradients of `target` with respect to `sources`.
 
         Same arguments and return structure as `tf.GradientTape.gradient`.
+        The gradients are marked as unscaled for `optimizer.apply`; those of
+        variables Keras overwrites with their "gradient" (float8 scales and
+        histories) are returned as Keras computes them, never divided.
         """
         for t in tf.nest.flatten(target):
             _check_loss(t, self._optimizer.mode)
             self._optimizer._record_loss(t)
-        scale = self._optimizer._current_scale()
-        if scale is None:  # mode 'none': a plain tape
+        scale = self._optimizer.loss_scale_object
+        if not scale.scaling:  # mode 'none': a plain tape
             return super().gradient(
                 target, sources, output_gradients, unconnected_gradients
             )
+        value = tf.convert_to_tensor(scale.value)
         if output_gradients is None:
             seeds = tf.nest.map_structure(
-                lambda t: tf.ones_like(t) * tf.cast(scale, t.dtype), target
+                lambda t: tf.ones_like(t) * tf.cast(value, t.dtype), target
             )
         else:
             seeds = tf.nest.map_structure(
-                lambda o: o * tf.cast(scale, o.dtype), output_gradients
+                lambda o: o * tf.cast(value, o.dtype), output_gradients
             )
         grads = super().gradient(target, sources, seeds, unconnected_gradients)
-        flat = self._optimizer.get_unscaled_gradients(tf.nest.flatten(grads))
+        flat = self._optimizer.unscaled_from_tape(
+            tf.nest.flatten(grads), tf.nest.flatten(sources)
+        )
         return tf.nest.pack_sequence_as(grads, flat)

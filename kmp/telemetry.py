@@ -8,13 +8,23 @@ metric at each epoch start, which is when the epoch's skip count starts. In
 evaluation steps it reports nothing, so `model.evaluate` returns what it
 would without kmp.
 
-A model loaded with `keras.models.load_model` has no telemetry metric (it is
-not part of the saved model): call `kmp.telemetry.attach(model)` again.
+What it reads, per optimizer:
+
+* a `kmp.LossScaleOptimizer`: `loss_scale` (when it scales: not in mode
+  `'none'`), `skipped_steps` (this epoch) and `skipped_steps_total` (also in
+  mode `'none'`: kmp skips non-finite steps under every policy);
+* Keras's own `keras.optimizers.LossScaleOptimizer`: `loss_scale` (Keras
+  counts no skipped steps).
+
+A model compiled with several optimizers (`kmp.compile(gan,
+d_optimizer=..., g_optimizer=...)`) logs each under its argument's name:
+`d_optimizer_loss_scale`, ...
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -24,12 +34,42 @@ from kmp import optimizer as optimizer_lib
 LOG_KEYS = ("loss_scale", "skipped_steps", "skipped_steps_total")
 
 
+def loss_scale_of(optimizer: Any):
+    """The loss-scale variable of an optimizer that scales the loss (kmp's
+    `loss_scale`, or Keras's own wrapper's `dynamic_scale`), or None."""
+    if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
+        return optimizer.loss_scale if optimizer.mode != "none" else None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return getattr(optimizer, "dynamic_scale", None)  # created at build
+    return None
+
+
+def optimizers_of(model: keras.Model) -> dict[str, Any]:
+    """The optimizers telemetry reports for `model`, by label: the ones
+    `kmp.compile` wrapped (by argument name), else `model.optimizer`."""
+    registered = _registered.get(model)
+    if registered:
+        return dict(registered)
+    opt = getattr(model, "optimizer", None)
+    return {"optimizer": opt} if opt is not None else {}
+
+
+# Optimizers kmp.compile wrapped, per model: {argument name: optimizer}.
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register(model: keras.Model, optimizers: dict[str, Any]) -> None:
+    """Records the optimizers `kmp.compile` wrapped for `model`."""
+    _registered[model] = dict(optimizers)
+
+
 class LossScaleTelemetry(keras.metrics.Metric):
-    """Reports `loss_scale`, `skipped_steps` (this epoch) and
-    `skipped_steps_total` of a model's `kmp.LossScaleOptimizer`.
+    """Reports the loss scale and skipped steps of a model's loss-scaling
+    optimizers (see the module docstring).
 
     Attach it with `kmp.telemetry.attach(model)`; `kmp.compile` does that for
-    you. Under any other optimizer it reports nothing.
+    you. Under an optimizer that scales nothing and skips nothing it reports
+    nothing.
     """
 
     def __init__(self, model: keras.Model, name: str = "kmp_loss_scale"):
@@ -38,42 +78,100 @@ class LossScaleTelemetry(keras.metrics.Metric):
         self._epoch_start = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="epoch_start"
         )
+        self._epoch_starts: dict[str, Any] = {}
+        for label in optimizers_of(model):
+            self._start_variable(label)  # created now, not inside a trace
 
-    def _optimizer(self) -> optimizer_lib.LossScaleOptimizer | None:
-        # Only a scaling optimizer has a scale to report: a pass-through
-        # (mode 'none', as kmp.compile adds under bfloat16) skips nothing.
-        return optimizer_lib.scaling_of_model(self._model_ref())
+    def _optimizers(self) -> dict[str, Any]:
+        model = self._model_ref()
+        return optimizers_of(model) if model is not None else {}
 
     def update_state(self, *args, **kwargs):
-        """Nothing to accumulate: the optimizer holds the state."""
+        """Nothing to accumulate: the optimizers hold the state."""
+
+    def _start_variable(self, label: str):
+        if label == "optimizer":
+            return self._epoch_start
+        variable = self._epoch_starts.get(label)
+        if variable is None:
+            variable = self._epoch_starts[label] = self.add_variable(
+                shape=(), dtype="int64", initializer="zeros", name=f"{label}_start"
+            )
+        return variable
 
     def reset_state(self):
-        opt = self._optimizer()
-        if opt is not None:
-            self._epoch_start.assign(opt.skipped_steps_total)
+        for label, opt in self._optimizers().items():
+            if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+                self._start_variable(label).assign(opt.skipped_steps_total)
 
     def result(self):
-        opt = self._optimizer()
-        # Only in training steps: evaluate() keeps returning what it did.
-        if opt is None or not opt.in_training_step():
-            return {}
-        total = tf.convert_to_tensor(opt.skipped_steps_total)
-        return {
-            "loss_scale": tf.convert_to_tensor(opt.loss_scale),
-            "skipped_steps": total - tf.convert_to_tensor(self._epoch_start),
-            "skipped_steps_total": total,
-        }
+        optimizers = self._optimizers()
+        logs = {}
+        trained = False
+        for label, opt in optimizers.items():
+            prefix = "" if len(optimizers) == 1 else f"{label}_"
+            if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+                # Only in training steps: evaluate() keeps returning what it did.
+                if not opt.took_step():
+                    continue
+                trained = True
+                scale = loss_scale_of(opt)
+                if scale is not None:
+                    logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+                total = tf.convert_to_tensor(opt.skipped_steps_total)
+                start = tf.convert_to_tensor(self._start_variable(label))
+                logs[f"{prefix}skipped_steps"] = total - start
+                logs[f"{prefix}skipped_steps_total"] = total
+            elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
+                scale = loss_scale_of(opt)
+                if scale is not None and _assigned_here(scale):
+                    trained = True
+                    logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+        return logs if trained else {}
+
+
+def _assigned_here(variable) -> bool:
+    """Whether the graph being built assigns `variable` (Keras's own wrapper
+    updates its scale in every train step, never in evaluation). Eagerly,
+    with no graph to read, True."""
+    if tf.executing_eagerly():
+        return True
+    graph = tf.compat.v1.get_default_graph()
+    handle = getattr(getattr(variable, "value", None), "handle", None)
+    if handle is None:
+        handle = getattr(variable, "handle", None)
+    for op in graph.get_operations():
+        if op.type == "AssignVariableOp" and op.inputs and op.inputs[0] is handle:
+            return True
+    return _assigned_in_functions(graph, handle)
+
+
+def _assigned_in_functions(graph, handle) -> bool:
+    # Keras updates the scale inside tf.cond branches: their graphs capture
+    # the variable's handle.
+    for function in getattr(graph, "_functions", {}).values():
+        inner = getattr(function, "graph", None)
+        if inner is None:
+            continue
+        captured = {id(external) for external, _ in inner.captures}
+        if id(handle) in captured:
+            return True
+    return False
 
 
 def attach(model: keras.Model) -> keras.Model:
     """Makes `fit` log the loss scale and skipped steps of `model`'s
-    `kmp.LossScaleOptimizer`. Idempotent; `kmp.compile` calls it.
+    loss-scaling optimizers (kmp's, or Keras's own wrapper's scale).
+    Idempotent; `kmp.compile` calls it. Works before or after training and
+    after `keras.models.load_model`: a train step already traced is traced
+    again, with the telemetry, at the next `fit`.
 
     Example:
 
     >>> kmp.set_policy("mixed_float16")
     <Policy "mixed_float16": ...>
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4),
+    ...                           keras.layers.Dense(1)])
     >>> model = kmp.compile(model, optimizer="sgd", loss="mse")
     >>> history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
     >>> sorted(k for k in history.history if "skip" in k or "scale" in k)
@@ -81,4 +179,7 @@ def attach(model: keras.Model) -> keras.Model:
     """
     if not any(isinstance(m, LossScaleTelemetry) for m in model.metrics):
         model.kmp_loss_scale_telemetry = LossScaleTelemetry(model)
+        # A train step traced before has no telemetry in it: trace it again.
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None
     return model

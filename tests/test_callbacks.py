@@ -202,16 +202,35 @@ def test_monitor_without_kmp_optimizer_logs_loss_and_says_so_once(caplog):
     assert all(r.loss_scale is None and np.isfinite(r.loss) for r in monitor.records)
 
 
-def test_monitor_under_a_bfloat16_pass_through_logs_the_loss_only(caplog):
+def test_monitor_without_loss_scaling_logs_the_loss_and_the_skips(caplog):
     kmp.set_policy("mixed_bfloat16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    kmp.compile(model, optimizer=kmp.LossScaleOptimizer("sgd"), loss="mse")
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    assert model.optimizer.mode == "none"
     monitor = LossScaleMonitor()
-    with caplog.at_level(logging.WARNING, logger="kmp"):
-        model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0,
+    x = np.ones((8, 2), "float32")
+    x[5] = np.inf  # batch 2 is skipped, not applied
+    with caplog.at_level(logging.INFO, logger="kmp"):
+        model.fit(x, np.ones((8, 1)), batch_size=4, verbose=0, shuffle=False,
                   callbacks=[monitor])  # fmt: skip
     assert any("mode 'none'" in r.message for r in caplog.records)
     assert [r.loss_scale for r in monitor.records] == [None, None]
+    assert [r.skipped for r in monitor.records] == [0, 1]
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def test_monitor_reads_the_scale_of_keras_own_wrapper():
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")  # Keras wraps it in its own
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    monitor = LossScaleMonitor()
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0,
+              callbacks=[monitor])  # fmt: skip
+    scales = [r.loss_scale for r in monitor.records]
+    assert len(scales) == 2 and None not in scales
+    assert scales[-1] == float(model.optimizer.dynamic_scale)
+    assert [r.skipped_steps_total for r in monitor.records] == [None, None]
 
 
 def test_monitor_rejects_unwritable_paths_at_construction(tmp_path):
@@ -266,26 +285,15 @@ def test_monitor_keeps_its_records_when_the_guard_stops_the_run(tmp_path):
     assert png_size(tmp_path / "after.png") == (800, 500)
 
 
-def test_guard_under_a_bfloat16_pass_through_names_poisoned_weights_at_once():
+def test_guard_without_loss_scaling_acts_on_skipped_steps_and_no_weight_is_poisoned():
     kmp.set_policy("mixed_bfloat16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    kmp.compile(model, optimizer=kmp.LossScaleOptimizer("sgd"), loss="mse")
+    kmp.compile(model, optimizer="sgd", loss="mse")
     assert model.optimizer.mode == "none"
-    x = np.ones((64, 2), "float32")
-    x[8] = np.nan  # batch 1: the pass-through applies it, the weights go NaN
-    guard = NonFiniteGuard(max_consecutive_skips=5)
-    steps = []
-    counter = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: steps.append(batch)
-    )
-    with pytest.raises(TrainingCollapsedError, match="Without loss scaling") as info:
-        model.fit(
-            x,
-            np.ones((64, 1)),
-            batch_size=8,
-            shuffle=False,
-            verbose=0,
-            callbacks=[counter, guard],
-        )
-    assert info.value.cause == "weights"
-    assert steps == [0, 1]  # at the poisoned step, not max_consecutive_skips later
+    x = np.full((64, 2), np.nan, "float32")  # every batch non-finite
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError, match="no loss scaling") as info:
+        model.fit(x, np.ones((64, 1)), batch_size=8, verbose=0, callbacks=[guard])
+    assert info.value.cause == "forward"  # the loss itself is NaN
+    assert int(model.optimizer.skipped_steps_total) == 3
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)

@@ -13,16 +13,17 @@ from kmp import loss_scale as ls
 
 
 def reference_step(config, state, grads_finite):
-    """The docstring pseudocode of `next_state`, in plain Python."""
+    """The docstring pseudocode of `next_state`, in plain Python, with the
+    scale in float32 as the state holds it (growth by 1.5 rounds)."""
+    f32 = np.float32
     s = dict(state)
-    if config.mode == "none":
-        return s
     if grads_finite:
         s["consecutive_skips"] = 0
         s["hysteresis_left"] = config.hysteresis
         s["good_steps"] = min(s["good_steps"] + 1, ls.COUNTER_MAX)
         if config.mode == "dynamic" and s["good_steps"] >= config.growth_interval:
-            s["scale"] = min(s["scale"] * config.growth_factor, config.max_scale)
+            grown = f32(s["scale"]) * f32(config.growth_factor)
+            s["scale"] = float(min(grown, f32(config.max_scale)))
             s["good_steps"] = 0
     else:
         s["skipped_total"] = min(s["skipped_total"] + 1, ls.COUNTER_MAX)
@@ -30,7 +31,8 @@ def reference_step(config, state, grads_finite):
         s["good_steps"] = 0
         if config.mode == "dynamic":
             if s["hysteresis_left"] <= 1:
-                s["scale"] = max(s["scale"] * config.backoff_factor, config.min_scale)
+                backed = f32(s["scale"]) * f32(config.backoff_factor)
+                s["scale"] = float(max(backed, f32(config.min_scale)))
             else:
                 s["hysteresis_left"] -= 1
     s["last_finite"] = grads_finite
@@ -76,7 +78,7 @@ def test_next_state_matches_the_docstring_pseudocode(config, steps):
     for finite in steps:
         state = ls.next_state(config, state, finite)
         expected = reference_step(config, expected, finite)
-        assert as_python(state) == expected  # exact: powers of two and counters
+        assert as_python(state) == expected  # exact: float32 on both sides
         assert config.min_scale <= expected["scale"] <= config.max_scale or (
             config.mode == "none"
         )

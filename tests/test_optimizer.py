@@ -173,17 +173,30 @@ def test_skipped_steps_do_not_advance_a_learning_rate_schedule():
     assert float(opt.inner_optimizer.learning_rate) == 1.0
 
 
-def test_bfloat16_policy_makes_the_wrapper_a_pass_through():
-    kmp.set_policy("mixed_bfloat16")
-    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
-    assert opt.mode == "none"
-    assert "pass-through" in repr(opt)
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_an_explicit_optimizer_scales_whatever_the_global_policy(policy):
+    # As Keras's own wrapper (and its tests, and PyTorch's GradScaler): the
+    # mode is the optimizer's, not read from the global policy.
+    kmp.set_policy(policy)
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=400.0)
+    assert opt.mode == "dynamic"
+    var = keras.Variable([1.0, 2.0])
+    assert not bool(opt.apply([tf.constant([np.inf, 1.0])], [var]))
+    np.testing.assert_array_equal(var.numpy(), [1.0, 2.0])
+    assert float(opt.loss_scale) == 200.0
+
+
+def test_mode_none_scales_nothing_and_still_skips_non_finite_steps():
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), mode="none")
+    assert "no scaling" in repr(opt)
     var = keras.Variable(1.0)
     loss = tf.constant(3.0)
-    assert opt.scale_loss(loss) is loss
+    assert float(opt.scale_loss(loss)) == 3.0
     assert bool(opt.apply([tf.constant(2.0)], [var]))
     assert float(var) == 0.0
-    assert float(opt.loss_scale) == 1.0
+    assert not bool(opt.apply([tf.constant(np.nan)], [var]))
+    assert float(var) == 0.0  # no NaN written
+    assert int(opt.skipped_steps_total) == 1 and float(opt.loss_scale) == 1.0
 
 
 def test_config_round_trip():

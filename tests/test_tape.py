@@ -203,8 +203,8 @@ def test_tf_keras_2_style_scaled_loss_and_unscaled_gradients():
         np.testing.assert_allclose(b - w.numpy(), 0.1 * e.numpy(), rtol=3e-2, atol=1e-5)
 
 
-def test_tape_under_bfloat16_is_a_plain_tape():
-    model, opt = setup_model("mixed_bfloat16")
+def test_tape_with_mode_none_is_a_plain_tape():
+    model, opt = setup_model("mixed_bfloat16", mode="none")
     x, y = data()
     with kmp.ScaledGradientTape(opt) as tape:
         loss = loss_fn(model, x, y)

@@ -17,14 +17,17 @@ def test_attach_is_idempotent_and_reports_nothing_without_kmp_optimizer():
     assert set(history.history) == {"loss"}
 
 
-def test_a_pass_through_logs_no_scale_under_bfloat16():
+def test_without_loss_scaling_history_shows_skipped_steps_and_no_scale():
     kmp.set_policy("mixed_bfloat16")
-    for optimizer in (kmp.LossScaleOptimizer("sgd"), "sgd"):
+    for optimizer in (kmp.LossScaleOptimizer("sgd", mode="none"), "sgd"):
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         kmp.compile(model, optimizer=optimizer, loss="mse")
         assert model.optimizer.mode == "none"  # kmp.compile wraps "sgd" too
-        history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0, epochs=2)
-        assert set(history.history) == {"loss"}  # no scale, nothing skipped
+        x = np.ones((4, 2), "float32")
+        x[3] = np.nan
+        history = model.fit(x, np.ones((4, 1)), batch_size=2, verbose=0, epochs=2)
+        assert set(history.history) == {"loss", "skipped_steps", "skipped_steps_total"}
+        assert history.history["skipped_steps_total"] == [1.0, 2.0]
 
 
 def test_telemetry_follows_the_scale_at_each_epoch_end():
