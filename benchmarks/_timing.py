@@ -36,12 +36,36 @@ def interleaved(
     return times
 
 
+def cpu_model() -> str:
+    """The CPU's model name (as `lscpu` prints it), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def summary(times: dict[str, list[float]], steps: int, baseline: str) -> dict:
-    """ms/step (best and median) per variant, and ratios against `baseline`."""
+    """ms/step (best and median) per variant, and ratios against `baseline`:
+    of the best runs, of the medians, and the median of the paired ratios
+    (each run against the baseline's run beside it, which shared the
+    machine's state), with their quartiles."""
     best = {k: min(v) for k, v in times.items()}
     median = {k: statistics.median(v) for k, v in times.items()}
+    paired = {}
+    for k, v in times.items():
+        ratios = [a / b for a, b in zip(v, times[baseline], strict=True)]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        paired[k] = {
+            "median": round(statistics.median(ratios), 4),
+            "q1": round(quartiles[0], 4),
+            "q3": round(quartiles[-1], 4),
+        }
     return {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "cpus": os.cpu_count(),
         "repeats": len(next(iter(times.values()))),
         "best_ms_per_step": {k: round(1000 * v / steps, 2) for k, v in best.items()},
@@ -54,4 +78,5 @@ def summary(times: dict[str, list[float]], steps: int, baseline: str) -> dict:
         f"median_ratio_vs_{baseline}": {
             k: round(v / median[baseline], 4) for k, v in median.items()
         },
+        f"paired_ratio_vs_{baseline}": paired,
     }

@@ -358,7 +358,8 @@ def find_nonfinite(
                 "first, or call find_nonfinite(model, x) for the forward pass only."
             )
         # The optimizer's scale, kmp's or Keras's wrapper's.
-        variable = telemetry.loss_scale_of(getattr(model, "optimizer", None))
+        optimizer = getattr(model, "optimizer", None)
+        variable = telemetry.loss_scale_of(optimizer)
         if variable is not None:
             scale = float(keras.ops.convert_to_numpy(variable))
         with tf.GradientTape(persistent=True) as tape:
@@ -366,7 +367,9 @@ def find_nonfinite(
             loss = model.compute_loss(
                 x=x, y=y, y_pred=values["__y_pred__"], training=True
             )
-            if scale is not None:
+            if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
+                loss = optimizer.loss_scale_object.scale(loss)
+            elif scale is not None:
                 loss = loss * scale
     checks = []
     for layer in layers:

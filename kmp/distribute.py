@@ -50,11 +50,13 @@ def step_if_finite(
     apply: Callable,
     grads: list,
     variables: list,
-    after: Callable[[Any, Any], None],
+    after: Callable[[Any], None],
+    on_skip: Callable[[Any], None] | None = None,
     record: Any = None,
 ):
     """Calls `apply(grads, variables)` only if `finite` (agreed on by every
-    replica), then `after(finite, record)` (the state update); returns
+    replica), else `on_skip(record)` (the overflow record: written only on
+    skipped steps); then `after(finite)` (the state update); returns
     `finite`.
 
     Under a strategy that needs merge calls (Mirrored), the inner optimizer's
@@ -69,14 +71,20 @@ def step_if_finite(
         and tf.distribute.has_strategy()
         and not tf.__internal__.distribute.strategy_supports_no_merge_call()
     )
+
+    def skip(record):
+        if on_skip is not None:
+            on_skip(record)
+        return tf.constant(False)
+
     if not needs_merge:
 
         def apply_now():
             apply(grads, variables)
             return tf.constant(True)
 
-        tf.cond(finite, apply_now, lambda: tf.constant(False))
-        after(finite, record)
+        tf.cond(finite, apply_now, lambda: skip(record))
+        after(finite)
         return finite
 
     def cross_replica(distribution, grads, variables, finite, record):
@@ -89,8 +97,8 @@ def step_if_finite(
             distribution.extended.call_for_each_replica(apply, args=(grads, variables))
             return tf.constant(True)
 
-        tf.cond(finite, apply_now, lambda: tf.constant(False))
-        after(finite, record)
+        tf.cond(finite, apply_now, lambda: skip(record))
+        after(finite)
         return finite
 
     return context.merge_call(cross_replica, args=(grads, variables, finite, record))

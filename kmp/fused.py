@@ -26,7 +26,9 @@ GPUs or TPUs (where it was measured), outside tf.distribute strategies (an
 update that all-reduces across replicas cannot run inside one XLA program
 here) and unless op determinism is enabled (as Keras, which then keeps XLA
 off); `True` and `False` force it, `True` also for other optimizer classes.
-`kmp.compile` adds such a wrapper by itself only under 16-bit policies.
+`kmp.compile` wraps every optimizer (to skip non-finite steps), but its
+default fuses only under 16-bit policies; float32 models are fused when
+asked for.
 """
 
 from __future__ import annotations

@@ -345,6 +345,20 @@ def all_finite(tensors: Iterable[Any]):
     return keras.ops.all(finite_flags(tensors))
 
 
+# The LossScaleState fields each mode can change (the others stay put).
+_MOVING = {
+    DYNAMIC: {
+        "scale",
+        "good_steps",
+        "hysteresis_left",
+        "skipped_total",
+        "consecutive_skips",
+        "last_finite",
+    },
+    STATIC: {"good_steps", "skipped_total", "consecutive_skips", "last_finite"},
+    NONE: {"skipped_total", "consecutive_skips", "last_finite"},
+}
+
 # The optimizer's public name for each LossScaleState field.
 PUBLIC_NAMES = {
     "scale": "loss_scale",
@@ -456,7 +470,10 @@ class LossScale:
 
     def adjust(self, finite) -> None:
         """Moves the state after one optimizer step whose gradients were
-        (`finite=True`) or were not all finite."""
+        (`finite=True`) or were not all finite. Only the fields the mode can
+        change are written (in mode `'none'`: the three skip counters)."""
         new = next_state(self.config, self.state, finite)
-        for variable, value in zip(self.state.fields(), new.fields(), strict=True):
-            variable.assign(value)
+        moving = _MOVING[self.config.mode]
+        for field in dataclasses.fields(self.state):
+            if field.name in moving:
+                getattr(self.state, field.name).assign(getattr(new, field.name))

@@ -283,7 +283,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
             def like(reference, name):
                 variable = self.add_variable_from_reference(reference, name=name)
-                self._state_variables[f"{reference.path}_{name}"] = variable
+                self._state_variables[variable.name] = variable
                 return variable
 
             self._accumulation.build(var_list, self._state_variable, like)
@@ -361,7 +361,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- scaling ----------------------------------------------------------
 
-    def _record_loss(self, loss) -> None:
+    def record_loss(self, loss) -> None:
+        """Records whether `loss` (before scaling) is finite, agreed on across
+        replicas (`last_loss_finite`; `scale_loss` and the tape call it)."""
         self._overflow.record_loss(
             distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
         )
@@ -378,7 +380,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss = tf.convert_to_tensor(loss)
         _check_loss(loss, self.mode)
         self._ledger.scaled_loss()
-        self._record_loss(loss)
+        self.record_loss(loss)
         self._pending_gradients.assign(unscaling.PENDING_SCALED_LOSS)
         return self._scale.scale(loss)
 
@@ -460,18 +462,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finite = tf.reduce_all(flags)
         by_variable = self._overflow.by_variable(flags, variables)
         if self._accumulation is not None:
-            self._overflow.record(by_variable, finite)
+
+            def record_micro_batch():
+                self._overflow.record(by_variable)
+                return tf.constant(False)
+
+            # A skipped micro-batch is recorded at once; its window closes later.
+            tf.cond(finite, lambda: tf.constant(True), record_micro_batch)
             applied = self._accumulation.add(
                 grads,
                 variables,
                 finite,
                 lambda mean, window_finite: distribute.step_if_finite(
-                    window_finite, self._apply_inner, mean, variables, self._adjust
+                    window_finite,
+                    self._apply_inner,
+                    mean,
+                    variables,
+                    self._scale.adjust,
                 ),
             )
         else:
             applied = distribute.step_if_finite(
-                finite, self._apply_inner, grads, variables, self._adjust, by_variable
+                finite,
+                self._apply_inner,
+                grads,
+                variables,
+                self._scale.adjust,
+                on_skip=self._overflow.record,
+                record=by_variable,
             )
         self._ledger.applied()
         return applied
@@ -479,11 +497,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _unscale_for_apply(self, grads, variables):
         """The gradients as the inner optimizer must see them: unscaled."""
         decision = self._ledger.decide(grads)
-        pending = self._pending_gradients
+        # Read what another context left before this step clears it.
+        pending = tf.convert_to_tensor(self._pending_gradients)
+        self._pending_gradients.assign(unscaling.PENDING_NONE)
         if decision == unscaling.AT_RUN_TIME and tf.executing_eagerly():
             handed_out = int(pending.numpy()) == unscaling.PENDING_UNSCALED
             decision = unscaling.UNSCALED if handed_out else unscaling.SCALED
-        pending.assign(unscaling.PENDING_NONE)
         if decision == unscaling.NEVER_SCALED:
             self._warn_never_scaled()
         if not self._scale.scaling:
@@ -492,7 +511,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return self._scale.unscale(grads, variables)
         if decision == unscaling.AT_RUN_TIME:
             factor = tf.where(
-                tf.equal(tf.convert_to_tensor(pending), unscaling.PENDING_UNSCALED),
+                tf.equal(pending, unscaling.PENDING_UNSCALED),
                 tf.constant(1.0),
                 1.0 / tf.convert_to_tensor(self.loss_scale),
             )
@@ -513,12 +532,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             UserWarning,
             stacklevel=3,
         )
-
-    def _adjust(self, finite, by_variable=None) -> None:
-        """The one place the loss-scale state moves (`LossScale.adjust`)."""
-        if by_variable is not None:
-            self._overflow.record(by_variable, finite)
-        self._scale.adjust(finite)
 
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""
@@ -546,7 +559,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         wrapper's own unused `iterations` and learning rate."""
         saved = {f"kmp{_SEPARATOR}{n}": v for n, v in self._state_variables.items()}
         for variable in self.inner_optimizer.variables:
-            saved[f"inner{_SEPARATOR}{variable.path}"] = variable
+            # Its name within the optimizer (`iteration`,
+            # `dense_kernel_momentum`): the path also holds the optimizers'
+            # own names, which Keras numbers per process (`adam_1`).
+            saved[f"inner{_SEPARATOR}{variable.name}"] = variable
         return saved
 
     def save_own_variables(self, store) -> None:
@@ -559,23 +575,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def load_own_variables(self, store) -> None:
         """Restores the state saved by `save_own_variables`, by name; an
-        older file (saved by position) is read by position, with a warning."""
+        older file (saved by position) is read by position, with a warning.
+        A value whose shape differs from its variable's is not restored."""
         keys = set(store.keys())
         if _FORMAT_KEY not in keys:
             self._load_by_position(store)
             return
         saved = self._saved_variables()
-        missing = [k for k in saved if k not in keys]
-        unknown = sorted(k for k in keys - set(saved) if k != _FORMAT_KEY)
+        found = _match_saved_names(list(saved), sorted(keys - {_FORMAT_KEY}))
+        wrong_shape = []
         for key, variable in saved.items():
-            if key in keys:
-                variable.assign(store[key])
-        if missing or unknown:
+            if key not in found:
+                continue
+            value = store[found[key]]
+            if tuple(value.shape) != tuple(variable.shape):
+                wrong_shape.append(
+                    f"{key} (file {tuple(value.shape)}, "
+                    f"optimizer {tuple(variable.shape)})"
+                )
+                continue
+            variable.assign(value)
+        missing = [k for k in saved if k not in found]
+        unknown = sorted(keys - set(found.values()) - {_FORMAT_KEY})
+        if missing or unknown or wrong_shape:
             warnings.warn(
                 f"kmp.LossScaleOptimizer {self.name!r}: restored the optimizer "
                 f"state by name; not in the file (kept at their initial values): "
                 f"{', '.join(missing) or 'none'}; in the file but not in this "
-                f"optimizer (ignored): {', '.join(unknown) or 'none'}.",
+                f"optimizer (ignored): {', '.join(unknown) or 'none'}; of "
+                f"another shape (kept at their initial values): "
+                f"{', '.join(wrong_shape) or 'none'}.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -649,3 +678,31 @@ def _check_loss(loss, mode: str) -> None:
             "float32 loss, as Keras's losses compute. Compute it in float32: "
             "cast the predictions first, tf.cast(y_pred, 'float32')."
         )
+
+
+def _match_saved_names(names: list[str], file_keys: list[str]) -> dict[str, str]:
+    """name -> the file's key holding its value.
+
+    The same name first. An optimizer slot is named after its variable's
+    path, which holds the enclosing model's name when the model built the
+    layer (`mlp_dense_kernel_momentum`) and not when `load_model` did
+    (`dense_kernel_momentum`): so a name left over matches the one file key
+    that it ends, or that ends it, at a `_`. Two candidates match neither.
+    """
+    found = {name: name for name in names if name in set(file_keys)}
+    left = [k for k in file_keys if k not in found]
+    for name in names:
+        if name in found or not name.startswith(f"inner{_SEPARATOR}"):
+            continue
+        short = name.split(_SEPARATOR, 1)[1]
+        candidates = []
+        for key in left:
+            other = key.split(_SEPARATOR, 1)[-1]
+            if key.startswith(f"inner{_SEPARATOR}") and (
+                other.endswith(f"_{short}") or short.endswith(f"_{other}")
+            ):
+                candidates.append(key)
+        if len(candidates) == 1:
+            found[name] = candidates[0]
+            left.remove(candidates[0])
+    return found

@@ -85,16 +85,8 @@ class OverflowRecord:
             tf.ones((len(self._variables),), tf.bool), [[p] for p in positions], flags
         )
 
-    def record(self, by_variable: Any, finite: Any) -> None:
-        """Keeps the flags of the step just decided if it was not finite."""
-        ops = keras.ops
-        self.flags.assign(
-            ops.where(finite, ops.convert_to_tensor(self.flags), by_variable)
-        )
-        self.loss_finite.assign(
-            ops.where(
-                finite,
-                ops.convert_to_tensor(self.loss_finite),
-                ops.convert_to_tensor(self.last_loss_finite),
-            )
-        )
+    def record(self, by_variable: Any) -> None:
+        """Keeps the flags of a step that is being skipped (called only then,
+        so that finite steps pay nothing for the record)."""
+        self.flags.assign(by_variable)
+        self.loss_finite.assign(keras.ops.convert_to_tensor(self.last_loss_finite))

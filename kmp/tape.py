@@ -97,7 +97,7 @@ class ScaledGradientTape(tf.GradientTape):
         """
         for t in tf.nest.flatten(target):
             _check_loss(t, self._optimizer.mode)
-            self._optimizer._record_loss(t)
+            self._optimizer.record_loss(t)
         scale = self._optimizer.loss_scale_object
         if not scale.scaling:  # mode 'none': a plain tape
             return super().gradient(

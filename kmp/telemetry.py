@@ -23,6 +23,7 @@ d_optimizer=..., g_optimizer=...)`) logs each under its argument's name:
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -30,6 +31,8 @@ import keras
 import tensorflow as tf
 
 from kmp import optimizer as optimizer_lib
+
+logger = logging.getLogger("kmp")
 
 LOG_KEYS = ("loss_scale", "skipped_steps", "skipped_steps_total")
 
@@ -178,7 +181,18 @@ def attach(model: keras.Model) -> keras.Model:
     ['loss_scale', 'skipped_steps', 'skipped_steps_total']
     """
     if not any(isinstance(m, LossScaleTelemetry) for m in model.metrics):
-        model.kmp_loss_scale_telemetry = LossScaleTelemetry(model)
+        try:
+            model.kmp_loss_scale_telemetry = LossScaleTelemetry(model)
+        except ValueError as e:  # Keras locks a built subclassed model's state
+            logger.warning(
+                "kmp.telemetry: the loss scale and skipped steps cannot join "
+                "%s's logs: %s Compile it before building it (kmp.compile "
+                "first, then fit), or read them with "
+                "kmp.callbacks.LossScaleMonitor.",
+                type(model).__name__,
+                str(e).strip(),
+            )
+            return model
         # A train step traced before has no telemetry in it: trace it again.
         if getattr(model, "train_function", None) is not None:
             model.train_function = None

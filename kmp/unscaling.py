@@ -59,7 +59,7 @@ AT_RUN_TIME = "at run time"  # from the pending-state variable
 
 # Hand-outs kept per eager context, at most (eager code may take gradients
 # it never applies).
-_MAX_HANDED_OUT = 8
+_MAX_HANDED_OUT = 2
 
 
 @dataclasses.dataclass
@@ -175,11 +175,8 @@ class Ledger:
         return AT_RUN_TIME
 
     def applied(self) -> None:
-        """A step was applied in this context; an eager context starts over."""
-        if _key() is None:
-            self._eager = _Context(applied=True)
-        else:
-            self._context().applied = True
+        """A step was applied in this context."""
+        self._context().applied = True
 
     def took_step(self) -> bool:
         """Whether a step was applied in this context since the last call (a

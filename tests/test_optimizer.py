@@ -1,9 +1,14 @@
+import pathlib
+import warnings
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kmp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def regression_data(n=64, seed=0):
@@ -247,6 +252,17 @@ def test_save_and_load_restore_the_scale_and_every_counter(tmp_path):
         assert got == keras.ops.convert_to_numpy(getattr(opt, name)), name
     assert int(opt.skipped_steps_total) == 1  # precondition: a skip happened
     assert loaded.optimizer.config == opt.config
+    # The inner optimizer's slots too: a Sequential's layers are built inside
+    # the model's name scope, a loaded one's outside it, so the slot names
+    # differ (`mlp_dense_kernel_momentum`, `dense_kernel_momentum`).
+    before = opt.inner_optimizer.variables
+    after = loaded.optimizer.inner_optimizer.variables
+    assert len(before) == len(after)
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), a.name
+        )
+    assert np.abs(keras.ops.convert_to_numpy(after[-1])).sum() > 0  # trained
 
 
 def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
@@ -518,3 +534,219 @@ def test_applying_to_unknown_variables_is_a_clear_error():
     opt.build([known])
     with pytest.raises(ValueError, match="not built with"):
         opt.apply([tf.constant(1.0)], [stranger])
+
+
+def test_the_tape_leaves_float8_scale_variables_undivided():
+    kmp.set_policy("mixed_float16")
+    x, y = regression_data(32)
+    model = mlp()
+    model.build((None, 4))
+    model.quantize("float8")
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=1024)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with kmp.ScaledGradientTape(opt) as tape:
+            pred = tf.cast(model(x, training=True), tf.float32)
+            loss = tf.reduce_mean(tf.square(pred - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return opt.apply(grads, model.trainable_variables)
+
+    for _ in range(8):
+        step(x, y * 0.01)
+    scales = [w for w in model.weights if "scale" in w.path]
+    assert scales, "precondition: float8 layers have scale variables"
+    for w in scales:
+        assert np.abs(w.numpy()).min() > 1e-6, w.path  # divided by 1024**8: 1e-24
+
+
+@pytest.mark.parametrize(
+    "value", [np.float32(1024), np.int64(1024), tf.constant(1024.0), np.array(1024)]
+)
+def test_any_real_number_type_is_accepted_where_a_float_is(value):
+    opt = kmp.LossScaleOptimizer(
+        "sgd", initial_scale=value, growth_interval=np.int64(5)
+    )
+    assert opt.config.initial_scale == 1024.0 and opt.config.growth_interval == 5
+    with pytest.raises(kmp.LossScaleError, match="positive finite"):
+        kmp.LossScaleOptimizer("sgd", initial_scale=np.float32(-1))
+    with pytest.raises(kmp.LossScaleError, match="integer >= 1"):
+        kmp.LossScaleOptimizer("sgd", growth_interval=np.float32(2.5))
+
+
+def test_a_sparse_gradient_whose_repeated_rows_sum_past_float16_is_skipped():
+    # Each row is finite; the rows of the repeated token sum to inf in
+    # float16, as the update would add them (PyTorch checks the summed
+    # gradient too).
+    kmp.set_policy("float16")
+    table = keras.Variable(np.zeros((4, 2), "float16"), dtype="float16")
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), mode="static",
+                                 initial_scale=1.0)  # fmt: skip
+    values = tf.constant([[60000.0, 1.0], [60000.0, 1.0]], tf.float16)
+    grad = tf.IndexedSlices(values, tf.constant([2, 2]), tf.constant([4, 2]))
+    assert bool(tf.reduce_all(tf.math.is_finite(values)))
+    assert not bool(opt.apply([grad], [table]))
+    assert np.isfinite(table.numpy().astype("float32")).all()
+    assert int(opt.skipped_steps_total) == 1
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32"])
+def test_no_policy_writes_a_non_finite_update(policy):
+    kmp.set_policy(policy)
+    model = mlp()
+    kmp.compile(model, optimizer="adam", loss="mse")
+    assert model.optimizer.mode == "none"
+    x, y = regression_data(32)
+    x[9] = np.inf  # batch 2 of 4
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    assert history.history["skipped_steps_total"] == [1.0]
+    assert "loss_scale" not in history.history
+
+
+def test_building_inside_strategy_run_is_a_clear_error(mirrored):
+    with mirrored.scope():
+        var = keras.Variable([1.0, 2.0])
+        opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+
+    @tf.function
+    def step():
+        with kmp.ScaledGradientTape(opt) as tape:
+            loss = tf.reduce_sum(var * var) / 2.0
+        return opt.apply(tape.gradient(loss, [var]), [var])
+
+    with pytest.raises(
+        RuntimeError, match=r"optimizer.build\(model.trainable_variables"
+    ):
+        mirrored.run(step)
+    with mirrored.scope():
+        opt.build([var])
+    mirrored.run(step)  # built first: runs
+    assert np.isfinite(var.numpy()).all() and var.numpy()[0] < 1.0
+
+
+def _trained(policy="mixed_float16"):
+    kmp.set_policy(policy)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ],
+        name="named",
+    )
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=1024)
+    kmp.compile(model, optimizer=opt, loss="mse")
+    x, y = regression_data(32)
+    x[3] = np.nan  # one skipped step
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    return model
+
+
+def test_saved_state_is_found_by_name_and_holds_no_control_values(tmp_path):
+    model = _trained()
+    store = {}
+    model.optimizer.save_own_variables(store)
+    assert int(store["kmp_format"]) == 2
+    assert float(store["kmp|loss_scale"]) == float(model.optimizer.loss_scale)
+    assert int(store["kmp|skipped_steps_total"]) == 1
+    assert not any("pending" in key for key in store)  # a control value
+    inner = [k for k in store if k.startswith("inner|")]
+    assert len(inner) == len(model.optimizer.inner_optimizer.variables)
+    # Found by name: the order of the keys does not matter.
+    fresh = _trained()
+    fresh.optimizer.load_own_variables(dict(reversed(list(store.items()))))
+    for a, b in zip(
+        fresh.optimizer.inner_optimizer.variables,
+        model.optimizer.inner_optimizer.variables,
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(fresh.optimizer.skipped_steps_total) == 1
+
+
+def test_a_file_with_an_unknown_or_missing_entry_is_restored_by_name_and_says_so():
+    model = _trained()
+    store = {}
+    model.optimizer.save_own_variables(store)
+    store.pop("kmp|good_steps")
+    store["kmp|from_the_future"] = np.asarray(1)
+    with pytest.warns(UserWarning, match=r"kmp\|good_steps.*kmp\|from_the_future"):
+        model.optimizer.load_own_variables(store)
+
+
+DATA = ROOT / "tests" / "data"
+
+
+def test_a_keras_file_saved_by_this_version_loads_and_trains_on():
+    # tests/data/kmp_optimizer_v2.keras: written by tests/data/make_saved.py
+    # with this version (a float16 MLP, one skipped step, scale 512).
+    # A change that breaks old files fails here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing left unrestored
+        model = keras.models.load_model(DATA / "kmp_optimizer_v2.keras")
+    opt = model.optimizer
+    momenta = [v for v in opt.inner_optimizer.variables if "momentum" in v.name]
+    assert momenta and all(
+        np.abs(keras.ops.convert_to_numpy(v)).sum() > 0 for v in momenta
+    )
+    assert isinstance(opt, kmp.LossScaleOptimizer)
+    assert float(opt.loss_scale) == 512.0
+    assert int(opt.skipped_steps_total) == 1
+    assert int(opt.inner_optimizer.iterations) == 3
+    x, y = regression_data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert int(opt.inner_optimizer.iterations) == 5
+
+
+def test_state_of_another_shape_or_an_ambiguous_name_is_not_restored_and_named():
+    kmp.set_policy("mixed_float16")
+
+    def named_mlp(name):
+        return keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, name="hidden"),
+                keras.layers.Dense(1, name="out"),
+            ],
+            name=name,
+        )
+
+    model = named_mlp("mlp")
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=64
+    )
+    model.compile(optimizer=opt, loss="mse")
+    _train_steps(model, *regression_data(32), 2)
+    assert int(opt.inner_optimizer.iterations) == 2  # precondition: no skip
+    store = {}
+    opt.save_own_variables(store)
+    names = [k for k in store if k.endswith("kernel_momentum")]
+    assert len(names) == 2  # precondition: both Dense kernels have a slot
+    first, second = sorted(names)
+    store[first] = np.zeros((3, 3), "float32")  # another shape
+    # A second key that the second kernel's slot name also ends: ambiguous.
+    short = second.split("|", 1)[1]
+    store[f"inner|outer_{short}"] = store[second] + 1.0
+
+    # Built as `load_model` builds it: the layers outside the model's scope,
+    # so its slot names lack the `mlp_` prefix.
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    fresh = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+    fresh_opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    fresh.compile(optimizer=fresh_opt, loss="mse")
+    fresh_opt.build(fresh.trainable_variables)
+    with pytest.warns(UserWarning) as caught:
+        fresh_opt.load_own_variables(store)
+    message = str(caught[0].message)
+    assert "another shape" in message and "(3, 3)" in message
+    slots = {
+        v.name: keras.ops.convert_to_numpy(v)
+        for v in fresh_opt.inner_optimizer.variables
+    }
+    kernel_slots = [v for n, v in slots.items() if n.endswith("kernel_momentum")]
+    assert all(np.all(v == 0) for v in kernel_slots)  # neither was restored
+    bias_slots = [v for n, v in slots.items() if n.endswith("bias_momentum")]
+    assert all(np.abs(v).sum() > 0 for v in bias_slots)  # matched by suffix

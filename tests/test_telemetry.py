@@ -75,3 +75,55 @@ def test_telemetry_with_several_steps_per_execution():
     )
     history = model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=2, verbose=0)
     assert history.history["loss_scale"] == [8.0 * 2**8]
+
+
+def hidden_mlp():
+    return keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(4), keras.layers.Dense(1)]
+    )
+
+
+def test_evaluate_in_eager_mode_returns_no_telemetry():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(hidden_mlp(), optimizer="sgd", loss="mse", run_eagerly=True)
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    history = model.fit(x, y, batch_size=4, verbose=0)
+    assert "loss_scale" in history.history
+    result = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert set(result) == {"loss"}
+
+
+def test_attach_after_training_takes_effect_at_the_next_fit():
+    kmp.set_policy("mixed_float16")
+    model = hidden_mlp()
+    model.compile(optimizer=kmp.LossScaleOptimizer("sgd"), loss="mse")
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    assert "loss_scale" not in model.fit(x, y, verbose=0).history
+    kmp.telemetry.attach(model)
+    assert "loss_scale" in model.fit(x, y, verbose=0).history
+
+
+def test_attach_works_after_load_model(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(hidden_mlp(), optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    model.fit(x, y, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    loaded.fit(x, y, verbose=0)  # trained once without telemetry
+    kmp.telemetry.attach(loaded)
+    history = loaded.fit(x, y, verbose=0)
+    assert history.history["skipped_steps_total"] == [0.0]
+
+
+def test_history_shows_the_scale_of_keras_own_wrapper():
+    kmp.set_policy("mixed_float16")
+    model = hidden_mlp()
+    model.compile(optimizer="sgd", loss="mse")  # Keras wraps it in its own
+    kmp.telemetry.attach(model)
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    history = model.fit(x, y, verbose=0)
+    assert history.history["loss_scale"] == [float(model.optimizer.dynamic_scale)]
+    assert "skipped_steps" not in history.history  # Keras counts none
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) == {"loss"}

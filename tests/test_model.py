@@ -1,0 +1,179 @@
+"""kmp.compile: the model's own compile arguments, every optimizer wrapped,
+loss scaling decided from the model's own layers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+
+
+def mlp():
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
+
+
+def data(n=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), np.ones((n, 1), "float32")
+
+
+def test_a_model_built_in_a_float16_scope_gets_loss_scaling_outside_it():
+    with kmp.policy_scope("mixed_float16"):
+        model = mlp()
+    assert kmp.get_policy().name == "float32"
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    assert model.optimizer.mode == "dynamic"
+    assert "layers compute in float16" in kmp.precision_report(model).loss_scaling
+
+
+def test_a_float16_part_of_a_float32_model_gets_loss_scaling():
+    with kmp.policy_scope("mixed_float16"):
+        encoder = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8)], name="encoder"
+        )
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(encoder(inputs)))
+    assert model.dtype_policy.name == "float32"
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    assert model.optimizer.mode == "dynamic"
+
+
+def test_no_float16_layer_means_no_scaling_but_skipping():
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    assert model.optimizer.mode == "none"
+    assert "no layer computes in float16" in kmp.precision_report(model).loss_scaling
+
+
+def test_positional_arguments_work_as_in_model_compile():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "sgd", "mse", metrics=["mae"])
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    history = model.fit(*data(), verbose=0)
+    assert {"loss", "mae", "loss_scale"} <= set(history.history)
+
+
+def test_auto_scale_loss_false_is_respected():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse", auto_scale_loss=False)
+    assert model.optimizer.mode == "none"  # no scaling; non-finite steps skipped
+
+
+def test_arguments_that_do_not_fit_the_models_compile_are_a_clear_error():
+    with pytest.raises(TypeError, match=r"Sequential\.compile, which does not take"):
+        kmp.compile(mlp(), optimizer="sgd", lossy="mse")
+
+
+class GAN(keras.Model):
+    """keras-io's DCGAN, in short: its own compile(d_optimizer, g_optimizer,
+    loss_fn) and train_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.discriminator = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+        )
+        self.generator = keras.Sequential(
+            [keras.Input((2,)), keras.layers.Dense(8), keras.layers.Dense(4)]
+        )
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+
+    def train_step(self, real):
+        batch = tf.shape(real)[0]
+        noise = tf.random.normal((batch, 2))
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise)
+            logits = tf.cast(
+                self.discriminator(tf.concat([fake, tf.cast(real, fake.dtype)], 0)),
+                tf.float32,
+            )
+            labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], 0)
+            d_loss = self.d_optimizer.scale_loss(self.loss_fn(labels, logits))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+        with tf.GradientTape() as tape:
+            logits = tf.cast(self.discriminator(self.generator(noise)), tf.float32)
+            g_loss = self.g_optimizer.scale_loss(
+                self.loss_fn(tf.zeros((batch, 1)), logits)
+            )
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        # Keras's public reader of the model's metrics: kmp's telemetry too.
+        return {"d_loss": d_loss, "g_loss": g_loss, **self.get_metrics_result()}
+
+
+def test_a_model_with_its_own_compile_gets_each_optimizer_wrapped():
+    kmp.set_policy("mixed_float16")
+    gan = GAN()
+    kmp.compile(
+        gan,
+        d_optimizer=keras.optimizers.Adam(1e-3),
+        g_optimizer=keras.optimizers.Adam(1e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    assert isinstance(gan.d_optimizer, kmp.LossScaleOptimizer)
+    assert isinstance(gan.g_optimizer, kmp.LossScaleOptimizer)
+    assert gan.d_optimizer.mode == gan.g_optimizer.mode == "dynamic"
+    history = gan.fit(np.random.rand(16, 4).astype("float32"), batch_size=8, verbose=0)
+    for name in ("d_optimizer", "g_optimizer"):
+        assert f"{name}_loss_scale" in history.history
+        assert f"{name}_skipped_steps_total" in history.history
+    loss_scaling = kmp.precision_report(gan, trace=False).loss_scaling
+    assert "d_optimizer: dynamic" in loss_scaling and "g_optimizer" in loss_scaling
+
+
+def test_positional_optimizers_of_a_custom_compile_are_wrapped_too():
+    kmp.set_policy("mixed_float16")
+    gan = GAN()
+    kmp.compile(gan, "adam", keras.optimizers.SGD(), keras.losses.BinaryCrossentropy())
+    assert isinstance(gan.d_optimizer, kmp.LossScaleOptimizer)
+    assert isinstance(gan.g_optimizer.inner_optimizer, keras.optimizers.SGD)
+
+
+def test_an_optimizer_name_only_the_models_compile_knows_is_wrapped_after_it():
+    class Task(keras.Model):
+        """As KerasHub's tasks: optimizer='auto' resolved by its compile."""
+
+        def compile(self, optimizer="auto", loss=None, **kwargs):
+            if optimizer == "auto":
+                optimizer = keras.optimizers.Adam(2e-5)
+            super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(inputs)
+    task = Task(inputs, keras.layers.Dense(1)(hidden))
+    kmp.compile(task, loss="mse")
+    assert isinstance(task.optimizer, kmp.LossScaleOptimizer)
+    assert task.optimizer.mode == "dynamic"
+    assert float(task.optimizer.inner_optimizer.learning_rate) == pytest.approx(2e-5)
+
+
+def test_a_subclassed_model_built_before_compile_says_why_history_has_no_telemetry(
+    caplog,
+):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(8)
+            self.b = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    kmp.set_policy("mixed_float16")
+    net = Net()
+    net.build((None, 4))  # Keras locks a built subclassed model's state
+    with caplog.at_level("WARNING", logger="kmp"):
+        kmp.compile(net, optimizer="sgd", loss="mse")
+    assert any("LossScaleMonitor" in r.message for r in caplog.records)
+    assert isinstance(net.optimizer, kmp.LossScaleOptimizer)  # scaled anyway
+    net.fit(*data(), verbose=0)
