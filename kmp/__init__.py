@@ -10,6 +10,7 @@ from kmp import debug
 from kmp import distribute
 from kmp import fused
 from kmp import hardware
+from kmp import quantization
 from kmp import rules
 from kmp import telemetry
 from kmp.hardware import doctor
@@ -64,6 +65,7 @@ __all__ = [
     "policy_scope",
     "precision_report",
     "prepare",
+    "quantization",
     "register_policy",
     "rules",
     "set_layer_policy",

@@ -20,6 +20,7 @@ import tensorflow as tf
 from kmp import kinds
 from kmp import planning
 from kmp import policy as policy_lib
+from kmp import quantization
 from kmp import rules
 from kmp import tracing
 from kmp import traversal
@@ -151,14 +152,18 @@ class _Moved:
         for d in self._plan:
             if d.policy is None or d.explicit:
                 continue
-            if d.layer.dtype_policy.name != self._target.keras_name:
-                self._saved.append((d.layer, d.layer.dtype_policy))
-                d.layer.dtype_policy = self._target.keras_name
+            if quantization.float_part(d.layer) != self._target.keras_name:
+                self._saved.append((d.layer, quantization.float_part(d.layer)))
+                refused = quantization.refusal(
+                    quantization.mode(d.layer), self._target.compute_dtype
+                )
+                target = d.policy if refused else self._target
+                quantization.set_float_part(d.layer, target.keras_name)
         return self
 
     def __exit__(self, *exc):
         for layer, policy in reversed(self._saved):
-            layer.dtype_policy = policy
+            quantization.set_float_part(layer, policy)
 
 
 # --- fixes ----------------------------------------------------------------------
@@ -204,6 +209,18 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
     layer, path = d.layer, d.path
     cls = type(layer).__name__
     kind = d.kind[0] if d.kind else None
+    mode = quantization.mode(layer)
+    if mode and quantization.refusal(mode, "float16") and d.rule.startswith(mode):
+        return [
+            Risk(
+                path,
+                cls,
+                f"{mode} kept out of float16",
+                f"{d.note.split(';')[0]}; kmp computes it in {d.policy.compute_dtype}",
+                "use mixed_bfloat16 for this model, or quantize this layer to "
+                "int4 or float8 (model.quantize('int4'))",
+            )
+        ]
     current = layer.compute_dtype
     if current not in _SIXTEEN:
         return []

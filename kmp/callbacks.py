@@ -21,6 +21,7 @@ import tensorflow as tf
 from kmp import debug
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
+from kmp import quantization
 from kmp import telemetry
 
 logger = logging.getLogger("kmp")
@@ -477,7 +478,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
     def _diagnose(self, cause: str) -> TrainingCollapsedError:
         opt = optimizer_lib.of_model(self.model)
         if cause == "weights":
-            if policy_lib.get(self.model.dtype_policy).needs_loss_scaling:
+            if policy_lib.get(quantization.float_policy(self.model)).needs_loss_scaling:
                 advice = (
                     "Use kmp.compile or a kmp.LossScaleOptimizer, which skips "
                     "such steps."

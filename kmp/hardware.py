@@ -339,13 +339,26 @@ def doctor() -> DoctorReport:
     from kmp.version import __version__
 
     caps = capabilities()
+    auto = resolve_auto()
+    notes = known_slow_paths(caps)
+    if auto.policy == "mixed_float16":
+        notes += (QUANTIZED_FLOAT16_NOTE,)
     return DoctorReport(
         capabilities=caps,
-        auto=resolve_auto(),
+        auto=auto,
         versions={
             "kmp": __version__,
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
         },
-        warnings=known_slow_paths(caps),
+        warnings=notes,
     )
+
+
+# Said where 'auto' picks float16: Keras refuses one quantization there.
+QUANTIZED_FLOAT16_NOTE = (
+    "Quantized models under 'mixed_float16': Keras refuses model.quantize('int8') "
+    "under a float16 policy (int8 layers' int32 sums overflow float16). "
+    "Quantize to 'int4' or 'float8' instead, or quantize to 'int8' under "
+    "'float32' before kmp.compile, which then keeps the int8 layers in float32."
+)

@@ -23,6 +23,7 @@ import keras
 from kmp import hardware
 from kmp import kinds
 from kmp import policy as policy_lib
+from kmp import quantization
 from kmp import rules
 from kmp import tracing
 from kmp import traversal
@@ -35,7 +36,6 @@ POLICY = "policy"
 INHERITED = "inherited"
 OUTPUT = "default: model output in float32"
 NOT_FLOAT = "not a float layer: left as is"
-QUANTIZED = "quantized: left as is"
 ATTENTION_SCORES = "default: attention scores in float32"
 TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
 SCORES_KEPT = "default: attention softmax 16-bit (its scores may reach user code)"
@@ -130,7 +130,7 @@ _model_base: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def applied(layer: keras.layers.Layer) -> Applied | None:
     """What kmp last set on `layer` and why, if its policy is still that."""
     record = _applied.get(layer)
-    if record is not None and record.keras_name == layer.dtype_policy.name:
+    if record is not None and record.keras_name == quantization.float_part(layer):
         return record
     return None
 
@@ -140,24 +140,23 @@ def base_policy(model: keras.layers.Layer) -> policy_lib.Policy:
     recorded = _model_base.get(model)
     if recorded is not None:
         return recorded
-    return policy_lib.get(model.dtype_policy)
+    return policy_lib.get(quantization.float_policy(model))
 
 
 def is_float_layer(layer: keras.layers.Layer) -> bool:
     """False for layers kmp must leave alone: a non-float policy (Hashing,
-    StringLookup, integer preprocessing) or a quantized one."""
-    if layer.dtype_policy.quantization_mode is not None:
-        return False
+    StringLookup, integer preprocessing). A quantized layer is a float layer
+    here: kmp decides the float policy it computes in around its quantized
+    weights (`kmp.quantization`)."""
     # Preprocessing layers may compute in another dtype than their policy's
     # (StringLookup: 'string'); `compute_dtype` is what they run in.
     return keras.backend.is_float_dtype(layer.compute_dtype)
 
 
 def _is_explicit(layer: keras.layers.Layer, base: policy_lib.Policy) -> bool:
-    current = layer.dtype_policy
     if applied(layer) is not None:
         return False
-    return current.name != base.keras_name
+    return quantization.float_part(layer) != base.keras_name
 
 
 def _float16_convolutions_are_slow() -> bool:
@@ -243,8 +242,7 @@ def plan(
         layer, path = site.layer, site.path
         inherited = decided.get(id(site.parent), base)
         if not is_float_layer(layer):
-            rule = QUANTIZED if layer.dtype_policy.quantization_mode else NOT_FLOAT
-            decisions.append(Decision(site, None, rule, kinds.kind_of(layer)))
+            decisions.append(Decision(site, None, NOT_FLOAT, kinds.kind_of(layer)))
             continue
         name_rule = _match_rank(name_rules, layer, path, matched_rules)
         class_rule = _match_rank(class_rules, layer, path, matched_rules)
@@ -260,7 +258,7 @@ def plan(
         # given); a layer with its own dtype= keeps it.
         explicit = id(layer) not in forced and _is_explicit(layer, actual_base)
         if explicit:
-            chosen, rule = policy_lib.get(layer.dtype_policy), EXPLICIT
+            chosen, rule = policy_lib.get(quantization.float_policy(layer)), EXPLICIT
         elif user_rule:
             chosen, rule = user_rule.policy, user_rule.describe()
         elif id(layer) in forced:
@@ -271,6 +269,9 @@ def plan(
             chosen, rule = inherited, INHERITED if inherited != base else POLICY
         else:
             chosen, rule, note = _default(site, kind, inherited, base, weights)
+        kept = _refused_float_part(layer, chosen)
+        if kept is not None:
+            chosen, rule, note = kept
         # Only the container's own input cast changes: its layers keep theirs.
         decided[id(layer)] = inherited if rule == TOKEN_IDS else chosen
         decisions.append(Decision(site, chosen, rule, kind, explicit, note))
@@ -286,6 +287,25 @@ def plan(
             unbuilt.append(path)
     unmatched = tuple(r for r in user_rules if id(r) not in matched_rules)
     return Plan(model, base, tuple(decisions), unmatched, tuple(unbuilt))
+
+
+def _refused_float_part(layer, chosen):
+    """(policy, rule, note) for a quantized layer whose chosen float part
+    Keras refuses (int8 in float16): it keeps its own float part, or float32
+    if that is refused too. None when the choice stands."""
+    mode = quantization.mode(layer)
+    why = quantization.refusal(mode, chosen.compute_dtype)
+    if why is None:
+        return None
+    own = policy_lib.get(quantization.float_policy(layer))
+    kept = own if quantization.refusal(mode, own.compute_dtype) is None else None
+    kept = kept or policy_lib.get(rules.FLOAT32)
+    return (
+        kept,
+        f"{mode}: kept in {kept.compute_dtype}",
+        f"{why}; for 16-bit compute use mixed_bfloat16, or quantize it to "
+        "int4 or float8",
+    )
 
 
 def _weight_count(layer) -> int:
@@ -457,8 +477,8 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     for d in the_plan:
         if d.explicit or d.policy is None:
             continue
-        if d.layer.dtype_policy.name != d.policy.keras_name:
-            d.layer.dtype_policy = d.policy.keras_name
+        if quantization.float_part(d.layer) != d.policy.keras_name:
+            quantization.set_float_part(d.layer, d.policy.keras_name)
             changed += 1
         _applied[d.layer] = Applied(d.policy.keras_name, d.rule)
     for rule in the_plan.unmatched:

@@ -11,6 +11,7 @@ import keras
 from kmp import model as model_lib
 from kmp import planning
 from kmp import policy as policy_lib
+from kmp import quantization
 from kmp import tracing
 from kmp import traversal
 from kmp._table import format_table
@@ -34,6 +35,13 @@ class LayerPrecision:
             (`'float32 inside: Mean, Rsqrt'`); `''` when nothing does.
         kind: Its kind (`'normalization'`, `'attention'`, ...), if known.
         note: Why a default did not apply to it, if one did not.
+        quantization: Its quantization mode (`'int8'`, `'int4'`, `'float8'`,
+            ...), `''` when not quantized; `compute_dtype` is then the float
+            policy it computes in around its quantized weights.
+        lora_rank: Its LoRA rank (`layer.enable_lora`), 0 without LoRA.
+        trains: Which of its own weights train (`'yes'`, `'no'`,
+            `'adapters'`: only its LoRA weights, `'partly'`); `''` for a
+            layer with no float weights of its own.
     """
 
     path: str
@@ -45,6 +53,9 @@ class LayerPrecision:
     inside: str = ""
     kind: str = ""
     note: str = ""
+    quantization: str = ""
+    lora_rank: int = 0
+    trains: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +98,20 @@ class PrecisionReport:
         )
 
     def __str__(self) -> str:
-        table = format_table(
-            ("layer", "class", "computes", "returns", "inside", "decided by"),
-            [
-                (r.path, r.class_name, r.compute_dtype, r.returns, r.inside, r.rule)
-                for r in self.rows
-            ],
-        )
+        header = ["layer", "class", "computes", "returns", "inside", "decided by"]
+        cells = [
+            [r.path, r.class_name, r.compute_dtype, r.returns, r.inside, r.rule]
+            for r in self.rows
+        ]
+        # Quantization, LoRA and frozen weights: shown where a model has them.
+        if any(
+            r.quantization or r.lora_rank or r.trains in ("no", "partly", "adapters")
+            for r in self.rows
+        ):
+            header[3:3] = ["quantized", "LoRA", "trains"]
+            for r, row in zip(self.rows, cells, strict=True):
+                row[3:3] = [r.quantization, str(r.lora_rank or ""), r.trains]
+        table = format_table(tuple(header), [tuple(row) for row in cells])
         lines = [
             f"Precision of {self.model_name!r} (model policy: {self.policy})",
             table,
@@ -187,7 +205,7 @@ def precision_report(
         elif d.explicit:
             rule = planning.EXPLICIT
         elif d.policy is None or (
-            d.policy.keras_name == layer.dtype_policy.name
+            d.policy.keras_name == quantization.float_part(layer)
             and d.rule
             in (
                 planning.POLICY,
@@ -210,6 +228,9 @@ def precision_report(
                 inside=_inside(d, ops) if float_layer else "",
                 kind=d.kind[0].name if d.kind else "",
                 note=d.note,
+                quantization=quantization.mode(layer) or "",
+                lora_rank=quantization.lora_rank(layer),
+                trains=quantization.trains(layer),
             )
         )
     return PrecisionReport(

@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from kmp import optimizer as optimizer_lib
+from kmp import traversal
 
 logger = logging.getLogger("kmp")
 
@@ -162,6 +163,30 @@ def _assigned_in_functions(graph, handle) -> bool:
     return False
 
 
+def _track(model: keras.Model, metric: LossScaleTelemetry) -> None:
+    """Adds `metric` to `model`'s metrics.
+
+    Keras never locks the state of a Sequential or Functional model (their
+    layers are their state), except that `Model.quantize` leaves the model's
+    tracker locked when it returns; for those models the lock is lifted for
+    this one attribute and put back. A subclassed model's lock (set when it
+    is built) is respected: the caller warns.
+    """
+    tracker = getattr(model, "_tracker", None)
+    lifted = (
+        traversal.is_graph(model)
+        and tracker is not None
+        and getattr(tracker, "locked", False)
+    )
+    if lifted:
+        tracker.unlock()
+    try:
+        model.kmp_loss_scale_telemetry = metric
+    finally:
+        if lifted:
+            tracker.lock()
+
+
 def attach(model: keras.Model) -> keras.Model:
     """Makes `fit` log the loss scale and skipped steps of `model`'s
     loss-scaling optimizers (kmp's, or Keras's own wrapper's scale).
@@ -182,15 +207,15 @@ def attach(model: keras.Model) -> keras.Model:
     """
     if not any(isinstance(m, LossScaleTelemetry) for m in model.metrics):
         try:
-            model.kmp_loss_scale_telemetry = LossScaleTelemetry(model)
+            _track(model, LossScaleTelemetry(model))
         except ValueError as e:  # Keras locks a built subclassed model's state
             logger.warning(
                 "kmp.telemetry: the loss scale and skipped steps cannot join "
-                "%s's logs: %s Compile it before building it (kmp.compile "
-                "first, then fit), or read them with "
-                "kmp.callbacks.LossScaleMonitor.",
+                "the logs of %s, whose state Keras has locked (%s). Compile it "
+                "before building it (kmp.compile first, then fit), or read "
+                "them with kmp.callbacks.LossScaleMonitor.",
                 type(model).__name__,
-                str(e).strip(),
+                str(e).strip() if str(e) != "None" else "no reason given",
             )
             return model
         # A train step traced before has no telemetry in it: trace it again.

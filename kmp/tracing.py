@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from kmp import policy as policy_lib
+from kmp import quantization
 from kmp import traversal
 
 # Ops that move or reshape data, or compute on indices and masks: everything
@@ -369,9 +370,9 @@ def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
         return None
     if not isinstance(spec, keras.KerasTensor):
         return None
-    own = layer.dtype_policy
+    own = quantization.float_part(layer)
     if policy is not None:
-        layer.dtype_policy = policy
+        quantization.set_float_part(layer, policy)
     try:
         function = tf.function(lambda x: layer(x, training=False))
         outputs = function.get_concrete_function(
@@ -380,5 +381,5 @@ def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
     except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
         return None
     finally:
-        layer.dtype_policy = own
+        quantization.set_float_part(layer, own)
     return tuple(t.dtype.name for t in outputs if t.dtype.name in _FLOATS)

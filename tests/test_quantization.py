@@ -1,0 +1,227 @@
+"""Quantized (int8, int4, float8) and LoRA models under kmp's policies."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+
+MIXED = ["mixed_bfloat16", "mixed_float16"]
+MODES = ["int8", "int4", "float8"]
+
+
+def data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    return x, (x[:, :4] * 0.5).astype("float32")
+
+
+def dense_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="dense"),
+            keras.layers.EinsumDense("ab,bc->ac", output_shape=32, name="einsum"),
+            keras.layers.Dense(4, name="head"),
+        ],
+        name="quantized",
+    )
+
+
+def quietly_quantize(model, mode, **kwargs):
+    with warnings.catch_warnings():  # "InputLayer has no quantize method"
+        warnings.simplefilter("ignore", UserWarning)
+        model.quantize(mode, **kwargs)
+
+
+def combinations():
+    for policy in MIXED:
+        for mode in MODES:
+            if (mode, policy) != ("int8", "mixed_float16"):  # Keras refuses
+                yield policy, mode
+
+
+@pytest.mark.parametrize("policy,mode", list(combinations()))
+def test_quantized_models_compile_report_and_train(policy, mode):
+    kmp.set_policy(policy)
+    model = dense_model()
+    quietly_quantize(model, mode)
+    kmp.compile(model, optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    report = kmp.precision_report(model)
+    compute = kmp.get_policy().compute_dtype
+    assert [(r.path, r.quantization, r.compute_dtype) for r in report] == [
+        ("dense", mode, compute),
+        ("einsum", mode, compute),
+        ("head", mode, "float32"),  # the output rule moves the float part only
+    ]
+    assert model.get_layer("head").quantization_mode == mode  # not undone
+    assert "quantized" in str(report)
+    x, y = data()
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    # The telemetry joins the logs of a quantized model (Model.quantize
+    # leaves the model's state locked).
+    assert "skipped_steps" in history.history
+    assert ("loss_scale" in history.history) == (policy == "mixed_float16")
+
+
+def test_the_output_rule_keeps_the_quantization_settings():
+    kmp.set_policy("mixed_bfloat16")
+    model = dense_model()
+    quietly_quantize(model, "float8")
+    history_length = model.get_layer("head").dtype_policy.amax_history_length
+    kmp.prepare(model)
+    head = model.get_layer("head").dtype_policy
+    assert head.name == "float8_from_float32"
+    assert head.amax_history_length == history_length
+    assert kmp.prepare(model) is model  # idempotent: nothing left to change
+    assert model.get_layer("head").dtype_policy.name == "float8_from_float32"
+
+
+def test_int8_layers_are_kept_out_of_float16_with_the_reason_and_the_fix():
+    # Keras refuses model.quantize("int8") under float16: quantized under
+    # float32 and planned for mixed_float16, the int8 layers stay float32.
+    kmp.set_policy("float32")
+    model = dense_model()
+    quietly_quantize(model, "int8")
+    the_plan = kmp.planning.plan(model, policy="mixed_float16")
+    dense = the_plan.decision("dense")
+    assert dense.policy.compute_dtype == "float32"
+    assert dense.rule == "int8: kept in float32"
+    assert "int4 or float8" in dense.note
+    audit = kmp.debug.precision_audit(model, policy="mixed_float16")
+    assert "int8 kept out of float16" in audit.kinds()
+    assert "mixed_bfloat16" in str(audit)
+    # The audit restored every layer's policy.
+    assert [layer.dtype_policy.name for layer in model.layers] == [
+        "int8_from_float32"
+    ] * 3
+
+
+def test_int4_layers_under_float16_need_no_such_exception():
+    kmp.set_policy("float32")
+    model = dense_model()
+    quietly_quantize(model, "int4")
+    decision = kmp.planning.plan(model, policy="mixed_float16").decision("dense")
+    assert decision.policy.compute_dtype == "float16"
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_lora_trains_the_adapters_with_loss_scaling_and_leaves_the_base_bit_for_bit(
+    policy,
+):
+    kmp.set_policy(policy)
+    model = dense_model()
+    if policy == "mixed_bfloat16":
+        quietly_quantize(model, "int8", filters=["dense"])
+    model.get_layer("dense").enable_lora(4)
+    model.get_layer("einsum").enable_lora(2)
+    kmp.compile(model, optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+    assert model.optimizer.mode == ("dynamic" if policy == "mixed_float16" else "none")
+    report = kmp.precision_report(model)
+    assert report.row("dense").lora_rank == 4
+    assert report.row("einsum").lora_rank == 2
+    assert report.row("einsum").trains == "adapters"
+    assert report.row("head").trains == "yes"
+    frozen = {w.path: w.numpy().copy() for w in model.non_trainable_weights}
+    adapters = {
+        w.path: w.numpy().copy() for w in model.trainable_weights if "lora" in w.path
+    }
+    assert frozen and len(adapters) == 4
+    x, y = data()
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    for w in model.non_trainable_weights:
+        if w.path in frozen:
+            np.testing.assert_array_equal(w.numpy(), frozen[w.path], err_msg=w.path)
+    for w in model.trainable_weights:
+        if w.path in adapters:
+            assert not np.array_equal(w.numpy(), adapters[w.path]), w.path
+
+
+# --- float8 training: its scale and amax-history variables ---------------------
+
+
+def _float8_model():
+    model = dense_model()
+    quietly_quantize(model, "float8")
+    return model
+
+
+def _float8_state(model):
+    return {
+        w.path: w.numpy()
+        for w in model.weights
+        if "scale" in w.path or "amax_history" in w.path
+    }
+
+
+def _train(model, optimizer, path, steps=6):
+    x, y = data(8 * steps)
+    if path == "fit":
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return
+    optimizer.build(model.trainable_variables)
+    scaled = isinstance(optimizer, kmp.LossScaleOptimizer)
+
+    @tf.function
+    def step(x, y):
+        tape = kmp.ScaledGradientTape(optimizer) if scaled else tf.GradientTape()
+        with tape:
+            pred = tf.cast(model(x, training=True), tf.float32)
+            loss = tf.reduce_mean(tf.square(pred - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    for i in range(steps):
+        step(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)])
+
+
+@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("path", ["fit", "tape", "accumulation"])
+def test_float8_training_matches_training_without_loss_scaling(policy, path):
+    # The reference: the same training in float32, without loss scaling.
+    # (Plain float16 is no reference: there Keras's float8 gradient scale
+    # comes out about 30 times its float32 value on this model.)
+    accumulate = {"gradient_accumulation_steps": 2} if path == "accumulation" else {}
+    loop = "tape" if path == "tape" else "fit"
+    kmp.set_policy("float32")
+    plain = _float8_model()
+    _train(plain, keras.optimizers.SGD(0.05, **accumulate), loop)
+    kmp.set_policy(policy)
+    scaled = _float8_model()
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, **accumulate), mode="dynamic", initial_scale=1024
+    )
+    _train(scaled, optimizer, loop)
+    assert int(optimizer.skipped_steps_total) == 0
+    assert float(optimizer.loss_scale) == 1024  # no overflow, no growth yet
+    expected, got = _float8_state(plain), _float8_state(scaled)
+    assert expected and expected.keys() == got.keys()
+    for name, value in got.items():
+        assert np.isfinite(value).all(), name
+        # The forward scales (inputs, kernel) are those of unscaled training;
+        # the backward one follows the gradient it quantizes, which is the
+        # scaled one: 1024 times larger (divided by the scale, a wrong one
+        # would be 1024 times smaller).
+        # Within a factor 2 of the reference (16-bit rounding moves single
+        # amax entries by ~15%); a mis-scaled one is 1024 times off.
+        factor = 1024.0 if "grad" in name else 1.0  # scale and amax history
+        ratio = np.abs(value).max() / (np.abs(expected[name]).max() * factor)
+        assert 0.5 < ratio < 2.0, (name, ratio)
+    weights = [
+        (a, b)
+        for a, b in zip(plain.trainable_weights, scaled.trainable_weights, strict=True)
+        if a.path not in expected
+    ]
+    assert weights
+    for a, b in weights:
+        np.testing.assert_allclose(
+            b.numpy(), a.numpy(), rtol=5e-2, atol=5e-3, err_msg=a.path
+        )
