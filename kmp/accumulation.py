@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 
 class Accumulation:
@@ -36,6 +37,9 @@ class Accumulation:
         self.window_finite = None
         self._sums: list = []
         self._index: dict[int, int] = {}
+        # Eagerly, a micro-batch may leave a variable without a gradient that
+        # an earlier one gave it: ids of the variables with one in the window.
+        self._seen: set[int] = set()
 
     def build(self, variables: list, make_variable: Callable, like: Callable) -> None:
         """Creates the window's state: a sum per variable (`like(v, name)`),
@@ -62,10 +66,13 @@ class Accumulation:
         returns what it returns; else returns False (no step applied)."""
         ops = keras.ops
         sums = [self._sums[self._index[id(v)]] for v in variables]
-        for total, g in zip(sums, grads, strict=True):
+        eager = tf.executing_eagerly()  # a traced step has one None pattern
+        for total, g, v in zip(sums, grads, variables, strict=True):
             if g is not None:
                 g = ops.convert_to_tensor(g)
                 total.assign_add(ops.where(finite, g, ops.zeros_like(g)))
+                if eager:
+                    self._seen.add(id(v))
         window_finite = ops.logical_and(
             ops.convert_to_tensor(self.window_finite), finite
         )
@@ -74,12 +81,13 @@ class Accumulation:
 
         def close_window():
             mean = [
-                None if g is None else total / self.steps
-                for total, g in zip(sums, grads, strict=True)
+                total / self.steps if g is not None or id(v) in self._seen else None
+                for total, g, v in zip(sums, grads, variables, strict=True)
             ]
             applied = close(mean, window_finite)
             for total in sums:
                 total.assign(ops.zeros_like(total))
+            self._seen.clear()
             self.window_finite.assign(True)
             return applied
 

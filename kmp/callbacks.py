@@ -248,13 +248,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
         scale_variable = telemetry.loss_scale_of(opt)
         scale = None
         if scale_variable is not None:
-            scale = float(logs.get("loss_scale", _numpy(scale_variable)))
+            logged = logs.get("loss_scale")
+            scale = float(_numpy(scale_variable) if logged is None else logged)
         if not isinstance(opt, optimizer_lib.LossScaleOptimizer):
             record = StepRecord(self._step, self._epoch, loss, scale, 0, None)
         else:
-            total = int(
-                logs.get("skipped_steps_total", _numpy(opt.skipped_steps_total))
-            )
+            logged = logs.get("skipped_steps_total")
+            total = int(_numpy(opt.skipped_steps_total) if logged is None else logged)
             skipped = total - self._last_total
             self._last_total = total
             sources = debug.last_overflow(self.model) if skipped else None

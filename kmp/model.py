@@ -98,6 +98,15 @@ def compile(
     candidates = {
         name: value for name, value in arguments.items() if _is_optimizer(name, value)
     }
+    # Optimizers passed through a compile(self, *args) are wrapped in place.
+    positional = {}
+    for name, value in list(arguments.items()):
+        parameter = bound.signature.parameters.get(name)
+        if parameter is not None and parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, item in enumerate(value):
+                if isinstance(item, keras.optimizers.Optimizer):
+                    positional[f"{name}_{i}"] = (name, i)
+                    candidates[f"{name}_{i}"] = item
     kept = {
         n: v
         for n, v in candidates.items()
@@ -130,7 +139,14 @@ def compile(
         if optimizer is None:
             unresolved[name] = value  # the model's own compile resolves it
             continue
-        wrapped[name] = arguments[name] = _wrap(optimizer, scale, sixteen, fused_update)
+        wrapped[name] = _wrap(optimizer, scale, sixteen, fused_update)
+        if name in positional:
+            holder, i = positional[name]
+            items = list(arguments[holder])
+            items[i] = wrapped[name]
+            arguments[holder] = tuple(items)
+        else:
+            arguments[name] = wrapped[name]
     _call(model, bound, arguments)
     if unresolved and standard is False:
         # A name only the model's compile knows (KerasHub's "auto"): take
@@ -169,20 +185,29 @@ def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
 
 
 def _call(model: keras.Model, bound: inspect.BoundArguments, arguments: dict) -> None:
-    """Calls `model.compile` with `arguments`, positional ones in place."""
-    args, kwargs = [], {}
+    """Calls `model.compile` with `arguments`, positional ones in place: the
+    parameters before a filled `*args` go positionally, in order."""
     parameters = bound.signature.parameters
+    extra = [
+        value
+        for name, value in arguments.items()
+        if name in parameters
+        and parameters[name].kind is inspect.Parameter.VAR_POSITIONAL
+    ]
+    extra = list(extra[0]) if extra else []
+    args, kwargs = [], {}
     for name, value in arguments.items():
-        parameter = parameters.get(name)
-        if parameter is not None and parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            args.extend(value)
-        elif parameter is not None and parameter.kind is (
-            inspect.Parameter.POSITIONAL_ONLY
+        kind = parameters[name].kind if name in parameters else None
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        if kind is inspect.Parameter.POSITIONAL_ONLY or (
+            extra and kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         ):
-            args.append(value)
+            args.append((list(parameters).index(name), value))
         else:
             kwargs[name] = value
-    model.compile(*args, **kwargs)
+    args = [value for _, value in sorted(args, key=lambda item: item[0])]
+    model.compile(*args, *extra, **kwargs)
 
 
 def _is_optimizer(name: str, value: Any) -> bool:
@@ -233,4 +258,14 @@ def describe_loss_scaling(model: keras.Model) -> str:
         else:
             text = f"none ({type(opt).__name__}: non-finite steps are applied)"
         parts.append(text if len(optimizers) == 1 else f"{label}: {text}")
+    unscaled = [
+        o
+        for o in optimizers.values()
+        if isinstance(o, LossScaleOptimizer) and o.mode == "none"
+    ]
+    if float16 and unscaled:
+        why += (
+            ", but loss scaling is off (auto_scale_loss=False or mode='none'): "
+            "small float16 gradients may underflow to zero"
+        )
     return f"{'; '.join(parts)}: {why}"

@@ -191,6 +191,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         object.__setattr__(self, "_fused_apply", fused.FusedApply(inner_optimizer))
         object.__setattr__(self, "_ledger", unscaling.Ledger())
         object.__setattr__(self, "_warned_never_scaled", False)
+        object.__setattr__(self, "_warned_unknown_origin", False)
         object.__setattr__(self, "_state_variables", {})
         # Gradient accumulation with loss scaling: kmp takes it over from the
         # inner optimizer (kmp.accumulation).
@@ -501,8 +502,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         pending = tf.convert_to_tensor(self._pending_gradients)
         self._pending_gradients.assign(unscaling.PENDING_NONE)
         if decision == unscaling.AT_RUN_TIME and tf.executing_eagerly():
-            handed_out = int(pending.numpy()) == unscaling.PENDING_UNSCALED
-            decision = unscaling.UNSCALED if handed_out else unscaling.SCALED
+            left = int(pending.numpy())
+            if left == unscaling.PENDING_UNSCALED:
+                decision = unscaling.UNSCALED
+            else:
+                if left == unscaling.PENDING_NONE:
+                    self._warn_unknown_origin()
+                decision = unscaling.SCALED
         if decision == unscaling.NEVER_SCALED:
             self._warn_never_scaled()
         if not self._scale.scaling:
@@ -517,6 +523,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
             return self._scale.unscale(grads, variables, factor)
         return grads
+
+    def _warn_unknown_origin(self) -> None:
+        if self._warned_unknown_origin or not self._scale.scaling:
+            return
+        object.__setattr__(self, "_warned_unknown_origin", True)
+        warnings.warn(
+            "kmp.LossScaleOptimizer.apply() received gradients eagerly with no "
+            "scaled loss recorded since the last apply, so kmp cannot tell "
+            "whether they are scaled. It takes them as the gradients of a "
+            "scaled loss and unscales them, as Keras's LossScaleOptimizer does: "
+            "each update is divided by the loss scale "
+            f"({float(self._scale.value):g} now). If the loss was never scaled "
+            "(a custom train_step run eagerly, a custom loop), scale it before "
+            "taking gradients: loss = optimizer.scale_loss(loss); if you scaled "
+            "it by hand, use scale_loss instead.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _warn_never_scaled(self) -> None:
         if self._warned_never_scaled or not self._scale.scaling:
@@ -553,22 +577,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- saving ---------------------------------------------------------------
 
     def _saved_variables(self) -> dict[str, Any]:
-        """name -> variable, for everything that is state: kmp's own (the loss
-        scale, the overflow record, an open accumulation window) and the
-        inner optimizer's, by their paths. Not saved: control values and the
-        wrapper's own unused `iterations` and learning rate."""
-        saved = {f"kmp{_SEPARATOR}{n}": v for n, v in self._state_variables.items()}
-        for variable in self.inner_optimizer.variables:
-            # Its name within the optimizer (`iteration`,
-            # `dense_kernel_momentum`): the path also holds the optimizers'
-            # own names, which Keras numbers per process (`adam_1`).
-            saved[f"inner{_SEPARATOR}{variable.name}"] = variable
+        """name -> variable, for kmp's own state: the loss scale, the
+        overflow record, an open accumulation window. Not saved here: control
+        values, the wrapper's own unused `iterations` and learning rate, and
+        the inner optimizer's variables, which Keras saves as it saves that
+        optimizer anywhere (under `optimizer/inner_optimizer` in the file, by
+        position with a count check)."""
+        saved: dict[str, Any] = {}
+        for name, variable in self._state_variables.items():
+            key = f"kmp{_SEPARATOR}{name}"
+            # Accumulators are named after their model variable's path, which
+            # may repeat (two submodels' `proj` layers after load_model).
+            n = 1
+            while key in saved:
+                n += 1
+                key = f"kmp{_SEPARATOR}{name}{_SEPARATOR}{n}"
+            saved[key] = variable
         return saved
 
     def save_own_variables(self, store) -> None:
-        """Saves the state by name, with the layout's version (Keras saves
-        optimizers by position, which breaks when the variable list
-        changes)."""
+        """Saves kmp's state by name, with the layout's version (Keras saves
+        optimizers by position, which restores into the wrong slots when
+        the variable list changes)."""
         store[_FORMAT_KEY] = np.asarray(SAVE_FORMAT)
         for key, variable in self._saved_variables().items():
             store[key] = keras.ops.convert_to_numpy(variable)
@@ -683,24 +713,23 @@ def _check_loss(loss, mode: str) -> None:
 def _match_saved_names(names: list[str], file_keys: list[str]) -> dict[str, str]:
     """name -> the file's key holding its value.
 
-    The same name first. An optimizer slot is named after its variable's
-    path, which holds the enclosing model's name when the model built the
-    layer (`mlp_dense_kernel_momentum`) and not when `load_model` did
-    (`dense_kernel_momentum`): so a name left over matches the one file key
-    that it ends, or that ends it, at a `_`. Two candidates match neither.
+    The same name first. A gradient accumulator is named after its
+    variable's path, which holds the enclosing model's name when the model
+    built the layer (`mlp_dense_kernel_gradient_accumulator`) and not when
+    `load_model` did (`dense_kernel_gradient_accumulator`): so a name left
+    over matches the one file key that it ends, or that ends it, at a `_`.
+    Two candidates match neither.
     """
     found = {name: name for name in names if name in set(file_keys)}
     left = [k for k in file_keys if k not in found]
     for name in names:
-        if name in found or not name.startswith(f"inner{_SEPARATOR}"):
+        if name in found:
             continue
-        short = name.split(_SEPARATOR, 1)[1]
+        short = name.split(_SEPARATOR, 1)[-1]
         candidates = []
         for key in left:
             other = key.split(_SEPARATOR, 1)[-1]
-            if key.startswith(f"inner{_SEPARATOR}") and (
-                other.endswith(f"_{short}") or short.endswith(f"_{other}")
-            ):
+            if other.endswith(f"_{short}") or short.endswith(f"_{other}"):
                 candidates.append(key)
         if len(candidates) == 1:
             found[name] = candidates[0]

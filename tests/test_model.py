@@ -60,6 +60,8 @@ def test_auto_scale_loss_false_is_respected():
     kmp.set_policy("mixed_float16")
     model = kmp.compile(mlp(), optimizer="sgd", loss="mse", auto_scale_loss=False)
     assert model.optimizer.mode == "none"  # no scaling; non-finite steps skipped
+    loss_scaling = kmp.precision_report(model, trace=False).loss_scaling
+    assert "loss scaling is off (auto_scale_loss=False" in loss_scaling
 
 
 def test_arguments_that_do_not_fit_the_models_compile_are_a_clear_error():
@@ -136,6 +138,29 @@ def test_positional_optimizers_of_a_custom_compile_are_wrapped_too():
     kmp.compile(gan, "adam", keras.optimizers.SGD(), keras.losses.BinaryCrossentropy())
     assert isinstance(gan.d_optimizer, kmp.LossScaleOptimizer)
     assert isinstance(gan.g_optimizer.inner_optimizer, keras.optimizers.SGD)
+
+
+class StarCompile(GAN):
+    """A compile that takes its second optimizer through *args."""
+
+    def compile(self, d_optimizer, *more, loss_fn=None):
+        super().compile(d_optimizer, more[0], loss_fn)
+
+
+def test_a_compile_with_star_args_gets_its_arguments_in_order_and_wrapped():
+    kmp.set_policy("mixed_float16")
+    gan = StarCompile()
+    kmp.compile(
+        gan,
+        keras.optimizers.Adam(1e-3),
+        keras.optimizers.SGD(1e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    assert isinstance(gan.d_optimizer.inner_optimizer, keras.optimizers.Adam)
+    assert isinstance(gan.g_optimizer, kmp.LossScaleOptimizer)
+    assert isinstance(gan.g_optimizer.inner_optimizer, keras.optimizers.SGD)
+    history = gan.fit(np.random.rand(16, 4).astype("float32"), batch_size=8, verbose=0)
+    assert np.isfinite(history.history["d_loss"]).all()
 
 
 def test_an_optimizer_name_only_the_models_compile_knows_is_wrapped_after_it():
