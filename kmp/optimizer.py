@@ -26,6 +26,7 @@ from kmp import distribute
 from kmp import fused
 from kmp import loss_scale as ls
 from kmp import overflow as overflow_lib
+from kmp import quantization
 from kmp import unscaling
 
 logger = logging.getLogger("kmp")
@@ -192,6 +193,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         object.__setattr__(self, "_ledger", unscaling.Ledger())
         object.__setattr__(self, "_warned_never_scaled", False)
         object.__setattr__(self, "_warned_unknown_origin", False)
+        object.__setattr__(self, "_checked_adapters", False)
         object.__setattr__(self, "_state_variables", {})
         # Gradient accumulation with loss scaling: kmp takes it over from the
         # inner optimizer (kmp.accumulation).
@@ -456,6 +458,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if trainable_variables is None
             else list(trainable_variables)
         )
+        if not self._checked_adapters:
+            object.__setattr__(self, "_checked_adapters", True)
+            self._warn_dead_adapters(variables)
         grads = self._unscale_for_apply(grads, variables)
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.
@@ -523,6 +528,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
             return self._scale.unscale(grads, variables, factor)
         return grads
+
+    def _warn_dead_adapters(self, variables) -> None:
+        dead = quantization.dead_adapters(variables)
+        if not dead:
+            return
+        warnings.warn(
+            f"The LoRA adapters of {', '.join(dead)} are all zero, so they "
+            "cannot learn (both factors zero: their gradients are zero). That is what "
+            "keras.models.load_model leaves: Keras's .keras format merges the "
+            "adapters into the kernel when saving and zeroes them when loading. "
+            "To continue LoRA fine-tuning exactly where it stopped, save with "
+            "tf.train.Checkpoint(model=model, optimizer=model.optimizer), which "
+            "keeps the adapters; to start new adapters on the merged model, "
+            "give lora_kernel_a random values: "
+            "layer.lora_kernel_a.assign(keras.initializers.HeUniform()("
+            "layer.lora_kernel_a.shape)).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _warn_unknown_origin(self) -> None:
         if self._warned_unknown_origin or not self._scale.scaling:

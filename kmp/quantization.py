@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from kmp import traversal
 
@@ -137,6 +138,31 @@ def trains(layer: keras.layers.Layer) -> str:
 
 # What trains in a LoRA layer (`enable_lora` freezes only the kernel).
 _ADAPTER_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "bias")
+
+
+def dead_adapters(variables) -> list[str]:
+    """The layers whose LoRA factors among `variables` are both all zero, by
+    path: their gradients are zero, so they cannot learn.
+
+    That is the state Keras's `.keras` format leaves: saving merges each
+    layer's LoRA product into its kernel (quantized again for int8/int4),
+    and loading sets `lora_kernel_a` and `lora_kernel_b` to zero. Reads the
+    values eagerly (also while a step is being traced)."""
+    factors: dict[str, dict[str, Any]] = {}
+    for v in variables:
+        name = getattr(v, "name", "")
+        if name in ("lora_kernel_a", "lora_kernel_b"):
+            layer = v.path.rsplit("/", 1)[0]
+            factors.setdefault(layer, {})[name] = v
+    dead = []
+    with tf.init_scope():
+        for layer, pair in factors.items():
+            if len(pair) == 2 and all(
+                not keras.ops.convert_to_numpy(keras.ops.any(v != 0))
+                for v in pair.values()
+            ):
+                dead.append(layer)
+    return dead
 
 
 def _own_weights(layer: keras.layers.Layer) -> list[Any]:

@@ -225,3 +225,122 @@ def test_float8_training_matches_training_without_loss_scaling(policy, path):
         np.testing.assert_allclose(
             b.numpy(), a.numpy(), rtol=5e-2, atol=5e-3, err_msg=a.path
         )
+
+
+# --- saving a quantized LoRA model -----------------------------------------------
+
+
+def _lora_model(policy, mode):
+    kmp.set_policy(policy)
+    model = dense_model()
+    quietly_quantize(model, mode)
+    model.get_layer("dense").enable_lora(4)
+    model.get_layer("einsum").enable_lora(4)
+    kmp.compile(model, optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+    return model
+
+
+def _values(variables):
+    return [keras.ops.convert_to_numpy(v) for v in variables]
+
+
+@pytest.mark.parametrize(
+    "policy,mode", [("mixed_bfloat16", "int8"), ("mixed_float16", "int4")]
+)
+def test_a_checkpoint_round_trip_continues_training_bit_identically(
+    policy, mode, tmp_path
+):
+    x, y = data()
+    model = _lora_model(policy, mode)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        tmp_path / "ckpt"
+    )
+    restored = _lora_model(policy, mode)
+    restored.optimizer.build(restored.trainable_variables)
+    status = tf.train.Checkpoint(model=restored, optimizer=restored.optimizer)
+    status.restore(path).assert_existing_objects_matched()
+    state = model.weights + model.optimizer.variables
+    again = restored.weights + restored.optimizer.variables
+    for a, b in zip(_values(state), _values(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    restored.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(_values(model.weights), _values(restored.weights), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_adapters_zeroed_by_a_keras_file_round_trip_are_named_before_training(
+    tmp_path,
+):
+    # Keras's .keras format merges LoRA into the kernel on save and zeroes
+    # both factors on load: the adapters would silently never train again.
+    x, y = data()
+    model = _lora_model("mixed_bfloat16", "int8")
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.save(tmp_path / "lora.keras")
+    loaded = keras.models.load_model(tmp_path / "lora.keras")
+    adapters = [w for w in loaded.trainable_weights if "lora_kernel" in w.path]
+    assert adapters and all(not np.any(w.numpy()) for w in adapters)  # Keras's
+    with pytest.warns(UserWarning, match=r"adapters of .*dense.* cannot learn"):
+        loaded.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_freshly_enabled_adapters_raise_no_such_warning():
+    x, y = data()
+    model = _lora_model("mixed_bfloat16", "int4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+# --- a KerasHub language model, int4 and LoRA --------------------------------------
+
+keras_hub = pytest.importorskip("keras_hub")
+VOCAB = 64
+
+
+def _llama():
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", MIXED)
+def test_a_keras_hub_llama_with_int4_and_lora_compiles_reports_and_trains(policy):
+    kmp.set_policy(policy)
+    keras.utils.set_random_seed(0)
+    lm = _llama()
+    quietly_quantize(lm, "int4")
+    lm.backbone.enable_lora(4)
+    kmp.compile(
+        lm,
+        optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    report = kmp.precision_report(lm)
+    lora = [r for r in report if r.lora_rank]
+    assert lora and all(r.lora_rank == 4 for r in lora)
+    assert all(r.quantization == "int4" and r.trains == "adapters" for r in lora)
+    assert {"query", "value"} == {r.path.rsplit("/", 1)[-1] for r in lora}
+    assert any(r.quantization == "int4" and r.trains == "no" for r in report)
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, VOCAB, (8, 12)).astype("int32"),
+        "padding_mask": np.ones((8, 12), "int32"),
+    }
+    y = np.roll(x["token_ids"], -1, axis=1)
+    frozen = {w.path: w.numpy().copy() for w in lm.non_trainable_weights}
+    history = lm.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert ("loss_scale" in history.history) == (policy == "mixed_float16")
+    for w in lm.non_trainable_weights:
+        if w.path in frozen and "amax" not in w.path:
+            np.testing.assert_array_equal(w.numpy(), frozen[w.path], err_msg=w.path)
