@@ -112,3 +112,22 @@ def test_tf_keras_guide_style_code_trains_on_kmp():
     assert "loss scale" in out
     accuracy = float(re.search(r"train accuracy: ([0-9.]+)", out).group(1))
     assert accuracy > 0.9  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_qlora_example_fine_tunes_a_quantized_lora_llama_above_chance():
+    result = run_example("qlora.py")
+    runs = re.findall(
+        r"\n(\S+) \((\S+)\), (int\d) base.*?loss scale: (\S+);.*?"
+        r"accuracy: ([0-9.]+) before, ([0-9.]+) after \(chance ([0-9.]+)\)",
+        result.stdout,
+        flags=re.DOTALL,
+    )
+    assert {(policy, mode) for policy, _, mode, *_ in runs} >= {
+        ("auto", "int4"),
+        ("mixed_float16", "int4"),
+    }
+    for policy, resolved, mode, scale, before, after, chance in runs:
+        assert float(after) > max(5 * float(chance), float(before)), (policy, mode)
+        assert (scale != "none") == (resolved == "mixed_float16"), (policy, scale)
+    assert "trainable of" in result.stdout and "bytes" in result.stdout

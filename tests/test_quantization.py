@@ -344,3 +344,44 @@ def test_a_keras_hub_llama_with_int4_and_lora_compiles_reports_and_trains(policy
     for w in lm.non_trainable_weights:
         if w.path in frozen and "amax" not in w.path:
             np.testing.assert_array_equal(w.numpy(), frozen[w.path], err_msg=w.path)
+
+
+class _Tokens:
+    """GPTQ and AWQ configs want a tokenizer; given token arrays they do
+    not call it."""
+
+    def tokenize(self, text):
+        raise AssertionError("not called for token arrays")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibrated_quantizations_compile_report_and_train(mode):
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    lm = _llama()
+    config_class = {
+        "gptq": keras.quantizers.GPTQConfig,
+        "awq": keras.quantizers.AWQConfig,
+    }[mode]
+    config = config_class(
+        dataset=[np.arange(64) % VOCAB],
+        tokenizer=_Tokens(),
+        num_samples=2,
+        sequence_length=8,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        lm.quantize(mode, config=config)
+    kmp.compile(
+        lm,
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    assert mode in {r.quantization for r in kmp.precision_report(lm)}
+    x = {
+        "token_ids": np.ones((4, 8), "int32"),
+        "padding_mask": np.ones((4, 8), "int32"),
+    }
+    history = lm.fit(x, np.ones((4, 8), "int32"), batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
