@@ -289,10 +289,10 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
     if not caps.gpus and not caps.tpus:
         warnings.append(
             "Training on the CPU: under float16, kmp computes convolutions in "
-            "float32 (float16 CPU convolutions ran 5x slower than float32 on "
-            "the project's CPU), and under 16-bit policies kmp.compile fuses "
-            "the float32 optimizer update with XLA (kmp.fused: Adam's update "
-            "ran 3x faster fused); benchmarks/RESULTS.md."
+            "float32 (float16 CPU convolutions are several times slower than "
+            "float32), and under 16-bit policies kmp.compile fuses the float32 "
+            "optimizer update with XLA (kmp.fused: several times faster for "
+            "Adam); figures in benchmarks/RESULTS.md."
         )
         if not caps.cpu.native_bfloat16:
             warnings.append(
@@ -303,10 +303,9 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
         if not caps.cpu.native_float16:
             warnings.append(
                 "This CPU has no native float16 math (AVX512-FP16/AMX-FP16): "
-                "expect 'mixed_float16' to train slower than float32 (on the "
-                "project's 2-core AMD EPYC: 1.2x the CPU time of float32 for a "
-                "3 x Dense(2048) MLP; benchmarks/RESULTS.md). Use "
-                "'mixed_bfloat16' if the CPU has bfloat16 math, else 'float32'."
+                "expect 'mixed_float16' to train slower than float32 (figures "
+                "in benchmarks/RESULTS.md). Use 'mixed_bfloat16' if the CPU has "
+                "bfloat16 math, else 'float32'."
             )
     for gpu in caps.gpus:
         if gpu.float16_tensor_cores and not gpu.bfloat16_tensor_cores:

@@ -151,3 +151,11 @@ def test_kmp_compile_applies_the_fast_path_of_the_model_it_compiles():
     float32_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     kmp.compile(float32_model, optimizer="sgd", loss="mse")
     assert remapping() is True
+
+
+def test_doctor_says_what_to_quantize_to_where_auto_picks_float16(monkeypatch):
+    monkeypatch.setenv("KMP_POLICY", "mixed_float16")
+    notes = kmp.doctor().warnings
+    assert any("model.quantize('int8')" in n and "'int4'" in n for n in notes)
+    monkeypatch.setenv("KMP_POLICY", "mixed_bfloat16")
+    assert not any("model.quantize" in n for n in kmp.doctor().warnings)

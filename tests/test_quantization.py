@@ -356,7 +356,7 @@ class _Tokens:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gptq", "awq"])
-def test_calibrated_quantizations_compile_report_and_train(mode):
+def test_calibrated_quantizations_compile_and_report(mode):
     kmp.set_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     lm = _llama()
@@ -378,10 +378,8 @@ def test_calibrated_quantizations_compile_report_and_train(mode):
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    assert mode in {r.quantization for r in kmp.precision_report(lm)}
-    x = {
-        "token_ids": np.ones((4, 8), "int32"),
-        "padding_mask": np.ones((4, 8), "int32"),
-    }
-    history = lm.fit(x, np.ones((4, 8), "int32"), batch_size=4, verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
+    report = kmp.precision_report(lm)
+    assert mode in {r.quantization for r in report}
+    assert not report.not_traced  # the calibrated layers trace
+    audit = kmp.debug.precision_audit(lm)
+    assert not audit.not_traced
