@@ -153,7 +153,7 @@ class _Moved:
             if d.policy is None or d.explicit:
                 continue
             if quantization.float_part(d.layer) != self._target.keras_name:
-                self._saved.append((d.layer, quantization.float_part(d.layer)))
+                self._saved.append((d.layer, quantization.snapshot(d.layer)))
                 refused = quantization.refusal(
                     quantization.mode(d.layer), self._target.compute_dtype
                 )
@@ -162,8 +162,8 @@ class _Moved:
         return self
 
     def __exit__(self, *exc):
-        for layer, policy in reversed(self._saved):
-            quantization.set_float_part(layer, policy)
+        for layer, saved in reversed(self._saved):
+            quantization.restore(layer, saved)
 
 
 # --- fixes ----------------------------------------------------------------------
@@ -217,8 +217,9 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
                 cls,
                 f"{mode} kept out of float16",
                 f"{d.note.split(';')[0]}; kmp computes it in {d.policy.compute_dtype}",
-                "use mixed_bfloat16 for this model, or quantize this layer to "
-                "int4 or float8 (model.quantize('int4'))",
+                "use mixed_bfloat16 for this model, or quantize the float model "
+                "to int4 or float8 instead (model.quantize('int4') before "
+                "quantizing to int8)",
             )
         ]
     current = layer.compute_dtype

@@ -358,6 +358,7 @@ def doctor() -> DoctorReport:
 QUANTIZED_FLOAT16_NOTE = (
     "Quantized models under 'mixed_float16': Keras refuses model.quantize('int8') "
     "under a float16 policy (int8 layers' int32 sums overflow float16). "
-    "Quantize to 'int4' or 'float8' instead, or quantize to 'int8' under "
-    "'float32' before kmp.compile, which then keeps the int8 layers in float32."
+    "Quantize to 'int4' or 'float8' instead, or train an int8 model under "
+    "'mixed_bfloat16' where the hardware has it (kmp keeps int8 layers out of "
+    "float16 in any model it compiles)."
 )

@@ -303,8 +303,8 @@ def _refused_float_part(layer, chosen):
     return (
         kept,
         f"{mode}: kept in {kept.compute_dtype}",
-        f"{why}; for 16-bit compute use mixed_bfloat16, or quantize it to "
-        "int4 or float8",
+        f"{why}; for 16-bit compute use mixed_bfloat16, or quantize the "
+        "float model to int4 or float8 instead",
     )
 
 

@@ -10,7 +10,7 @@ float32 gives it `int4/128_from_float32`.
 One combination Keras refuses: `int8` computing in `float16` (the layer
 sums int8 products in int32 and casts the sums to the compute dtype, which
 overflows float16's range). kmp keeps such layers out of float16 (see
-`float_part_for`) and says so in the precision report.
+`refusal`) and says so in the precision report and the audit.
 
 A layer loaded from a quantized KerasHub preset may hold a
 `keras.dtype_policies.DTypePolicyMap` (policies by layer path) rather than
@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import keras
@@ -64,9 +65,18 @@ def mode(layer: keras.layers.Layer) -> str | None:
 
 def float_name(policy: keras.DTypePolicy) -> str:
     """The Keras name of a policy's float part: the policy's own name for a
-    float policy, the source policy's for a quantized one."""
-    if policy.quantization_mode is None:
+    float policy; for a quantized one, the float policy it computes in.
+
+    Read from the dtypes, not from the quantized policy's `source_name`:
+    serializing a KerasHub backbone (`get_config`, so every save) sets the
+    live policies' names to None through `DTypePolicyMap.get_config`."""
+    if policy.quantization_mode is None and policy.name is not None:
         return policy.name
+    compute, variable = policy.compute_dtype, policy.variable_dtype
+    if compute == variable:
+        return compute
+    if variable == "float32":
+        return f"mixed_{compute}"
     return policy.get_config()["source_name"]
 
 
@@ -112,6 +122,30 @@ def set_float_part(layer: keras.layers.Layer, float_policy_name: str) -> None:
     layer.dtype_policy = with_float_part(policy_of(layer), float_policy_name)
 
 
+def snapshot(layer: keras.layers.Layer) -> tuple:
+    """What `restore` needs to put the layer's policy back exactly as it is
+    (the policy object; for a `DTypePolicyMap`, whether the layer's path had
+    an entry of its own)."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and layer.path:
+        own = layer.path in policy
+        return (True, own, policy[layer.path] if own else None)
+    return (False, True, policy)
+
+
+def restore(layer: keras.layers.Layer, saved: tuple) -> None:
+    """Puts back the policy `snapshot` saved."""
+    in_map, had_entry, policy = saved
+    if not in_map:
+        layer.dtype_policy = policy
+        return
+    entries = layer.dtype_policy
+    if layer.path in entries:
+        del entries[layer.path]  # a map refuses to overwrite a key
+    if had_entry:
+        entries[layer.path] = policy
+
+
 def lora_rank(layer: keras.layers.Layer) -> int:
     """The LoRA rank of a layer with LoRA enabled (`layer.enable_lora`), else 0."""
     if not getattr(layer, "lora_enabled", False):
@@ -120,10 +154,18 @@ def lora_rank(layer: keras.layers.Layer) -> int:
 
 
 def trains(layer: keras.layers.Layer) -> str:
-    """Which of a layer's own float weights train: `'yes'` (all), `'no'`
-    (none), `'adapters'` (its LoRA weights, and its bias), `'partly'`, or `''` for a
-    layer without float weights of its own."""
-    weights = [w for w in _own_weights(layer) if keras.backend.is_float_dtype(w.dtype)]
+    """Which of a layer's own weights train: `'yes'` (all), `'no'` (none),
+    `'adapters'` (its LoRA factors, and its bias), `'partly'`, or `''` for a
+    layer without weights of its own. A quantized layer's quantization
+    parameters (scales, zero points, float8's amax histories, which Keras
+    overwrites rather than trains) are not weights here."""
+    quantized = mode(layer) is not None
+    weights = [
+        w
+        for w in _own_weights(layer)
+        if not getattr(w, "overwrite_with_gradient", False)
+        and not (quantized and _QUANTIZATION_PARAMETER.search(w.name))
+    ]
     if not weights:
         return ""
     trainable = [w for w in weights if w.trainable and layer.trainable]
@@ -131,13 +173,16 @@ def trains(layer: keras.layers.Layer) -> str:
         return "yes"
     if not trainable:
         return "no"
-    if lora_rank(layer) and all(w.name in _ADAPTER_WEIGHTS for w in trainable):
+    if lora_rank(layer) and all(
+        _LORA_FACTOR.fullmatch(w.name) or w.name == "bias" for w in trainable
+    ):
         return "adapters"
     return "partly"
 
 
-# What trains in a LoRA layer (`enable_lora` freezes only the kernel).
-_ADAPTER_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "bias")
+# LoRA factors: Dense/EinsumDense `lora_kernel_a`, Embedding `lora_embeddings_a`.
+_LORA_FACTOR = re.compile(r"lora_(kernel|embeddings)_([ab])")
+_QUANTIZATION_PARAMETER = re.compile(r"(_scale|_zero|g_idx|amax_history)$")
 
 
 def dead_adapters(variables) -> list[str]:
@@ -145,15 +190,15 @@ def dead_adapters(variables) -> list[str]:
     path: their gradients are zero, so they cannot learn.
 
     That is the state Keras's `.keras` format leaves: saving merges each
-    layer's LoRA product into its kernel (quantized again for int8/int4),
-    and loading sets `lora_kernel_a` and `lora_kernel_b` to zero. Reads the
+    layer's LoRA product into its kernel or embeddings (quantized again for
+    int8/int4), and loading sets both factors to zero. Reads the
     values eagerly (also while a step is being traced)."""
     factors: dict[str, dict[str, Any]] = {}
     for v in variables:
-        name = getattr(v, "name", "")
-        if name in ("lora_kernel_a", "lora_kernel_b"):
+        match = _LORA_FACTOR.fullmatch(getattr(v, "name", "") or "")
+        if match:
             layer = v.path.rsplit("/", 1)[0]
-            factors.setdefault(layer, {})[name] = v
+            factors.setdefault(layer, {})[match.group(2)] = v
     dead = []
     with tf.init_scope():
         for layer, pair in factors.items():

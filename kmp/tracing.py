@@ -370,7 +370,7 @@ def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
         return None
     if not isinstance(spec, keras.KerasTensor):
         return None
-    own = quantization.float_part(layer)
+    own = quantization.snapshot(layer)
     if policy is not None:
         quantization.set_float_part(layer, policy)
     try:
@@ -381,5 +381,5 @@ def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
     except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
         return None
     finally:
-        quantization.set_float_part(layer, own)
+        quantization.restore(layer, own)
     return tuple(t.dtype.name for t in outputs if t.dtype.name in _FLOATS)

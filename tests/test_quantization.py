@@ -59,7 +59,8 @@ def test_quantized_models_compile_report_and_train(policy, mode):
         ("head", mode, "float32"),  # the output rule moves the float part only
     ]
     assert model.get_layer("head").quantization_mode == mode  # not undone
-    assert "quantized" in str(report)
+    header = str(report).splitlines()[1].split()
+    assert header[3:6] == ["quantized", "LoRA", "trains"]
     x, y = data()
     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -72,14 +73,55 @@ def test_quantized_models_compile_report_and_train(policy, mode):
 def test_the_output_rule_keeps_the_quantization_settings():
     kmp.set_policy("mixed_bfloat16")
     model = dense_model()
-    quietly_quantize(model, "float8")
-    history_length = model.get_layer("head").dtype_policy.amax_history_length
+    float8 = keras.dtype_policies.QuantizedFloat8DTypePolicy(
+        "float8", "mixed_bfloat16", amax_history_length=16
+    )
+    head = keras.layers.Dense(4, name="head", dtype=float8)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, name="dense"), head]
+    )
+    quietly_quantize(
+        model,
+        "int4",
+        config=keras.quantizers.Int4QuantizationConfig(block_size=8),
+        filters=["dense"],
+    )
+    assert head.quantization_mode == "float8"  # precondition: a float8 head
     kmp.prepare(model)
-    head = model.get_layer("head").dtype_policy
-    assert head.name == "float8_from_float32"
-    assert head.amax_history_length == history_length
-    assert kmp.prepare(model) is model  # idempotent: nothing left to change
-    assert model.get_layer("head").dtype_policy.name == "float8_from_float32"
+    assert head.dtype_policy.name == "float8_from_float32"
+    assert head.dtype_policy.amax_history_length == 16
+    assert model.get_layer("dense").dtype_policy.name == "int4/8_from_mixed_bfloat16"
+    before = [layer.dtype_policy for layer in model.layers]
+    kmp.prepare(model)  # idempotent: nothing left to change
+    assert [layer.dtype_policy for layer in model.layers] == before
+
+
+def test_the_float_part_survives_a_keras_hub_get_config():
+    # KerasHub's Backbone.get_config (every save) sets the live policies'
+    # names to None through DTypePolicyMap.get_config.
+    kmp.set_policy("mixed_bfloat16")
+    lm = _llama()
+    quietly_quantize(lm, "int4")
+    kmp.prepare(lm)
+
+    def rows():
+        report = kmp.precision_report(lm, trace=False)
+        return [(r.path, r.quantization, r.compute_dtype, r.rule) for r in report]
+
+    before = rows()
+    assert any(q == "int4" and c == "bfloat16" for _, q, c, _ in before)
+    lm.get_config()
+    assert rows() == before  # not 'explicit dtype=', not another dtype
+
+
+def test_the_audit_leaves_a_policy_map_as_it_was():
+    kmp.set_policy("mixed_bfloat16")
+    lm = _llama()
+    quietly_quantize(lm, "int8")
+    rebuilt = keras_hub.models.LlamaCausalLM.from_config(lm.get_config())
+    entries = dict(rebuilt.backbone.dtype_policy.items())
+    kmp.debug.precision_audit(rebuilt, policy="mixed_float16")
+    assert dict(rebuilt.backbone.dtype_policy.items()).keys() == entries.keys()
 
 
 def test_int8_layers_are_kept_out_of_float16_with_the_reason_and_the_fix():
@@ -383,3 +425,24 @@ def test_calibrated_quantizations_compile_and_report(mode):
     assert not report.not_traced  # the calibrated layers trace
     audit = kmp.debug.precision_audit(lm)
     assert not audit.not_traced
+
+
+def test_trains_counts_weights_not_quantization_parameters():
+    kmp.set_policy("mixed_bfloat16")
+    model = dense_model()
+    quietly_quantize(model, "float8", filters=["dense"])
+    model.get_layer("dense").enable_lora(2)  # float8 scales: overwritten, not trained
+    quietly_quantize(model, "int8", filters=["einsum"])
+    report = kmp.precision_report(model, trace=False)
+    assert report.row("dense").trains == "adapters"
+    assert report.row("einsum").trains == "no"  # int8 kernel frozen, no bias
+
+
+def test_dead_adapters_are_found_for_embeddings_too():
+    embedding = keras.layers.Embedding(10, 4, name="tokens")
+    embedding.build((None,))
+    embedding.enable_lora(2)
+    assert kmp.quantization.dead_adapters(embedding.trainable_weights) == []
+    for w in embedding.trainable_weights:
+        w.assign(np.zeros(w.shape, "float32"))
+    assert kmp.quantization.dead_adapters(embedding.trainable_weights) == ["tokens"]
