@@ -27,6 +27,7 @@ thousand times narrower and trains a few hundred steps, so the example uses
 2e-3 (`--learning-rate` sets it).
 
 Run: python examples/qlora.py [--policies auto mixed_float16] [--steps 120]
+     [--modes int4 int8]
 """
 
 import argparse
@@ -169,15 +170,19 @@ def main():
     parser.add_argument("--policies", nargs="+", default=["auto", "mixed_float16"])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["int4", "int8"],
+        help="base quantizations to fine-tune (int8 only under bfloat16)",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     weights = pretrain(args.steps, rng)
     for policy in args.policies:
         kmp.set_policy(policy)
-        modes = ["int4"]
-        if kmp.get_policy().compute_dtype == "bfloat16":
-            modes.append("int8")
-        for mode in modes:
+        bfloat16 = kmp.get_policy().compute_dtype == "bfloat16"
+        for mode in [m for m in args.modes if m != "int8" or bfloat16]:
             r = finetune(weights, policy, mode, args.steps, args.learning_rate, rng)
             print(
                 f"\n{policy} ({r['policy']}), {mode} base + LoRA rank 8 / alpha 32:"
