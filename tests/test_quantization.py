@@ -225,8 +225,15 @@ def _train(model, optimizer, path, steps=6):
         step(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)])
 
 
-@pytest.mark.parametrize("policy", MIXED)
-@pytest.mark.parametrize("path", ["fit", "tape", "accumulation"])
+@pytest.mark.parametrize(
+    "policy,path",
+    [
+        ("mixed_float16", "fit"),
+        ("mixed_float16", "tape"),
+        ("mixed_float16", "accumulation"),
+        ("mixed_bfloat16", "tape"),  # the wrapper scales under bfloat16 too
+    ],
+)
 def test_float8_training_matches_training_without_loss_scaling(policy, path):
     # The reference: the same training in float32, without loss scaling.
     # (Plain float16 is no reference: there Keras's float8 gradient scale
@@ -380,7 +387,7 @@ def test_a_keras_hub_llama_with_int4_and_lora_compiles_reports_and_trains(policy
     }
     y = np.roll(x["token_ids"], -1, axis=1)
     frozen = {w.path: w.numpy().copy() for w in lm.non_trainable_weights}
-    history = lm.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    history = lm.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert ("loss_scale" in history.history) == (policy == "mixed_float16")
     for w in lm.non_trainable_weights:
