@@ -116,17 +116,19 @@ def test_tf_keras_guide_style_code_trains_on_kmp():
 
 @pytest.mark.slow
 def test_qlora_example_fine_tunes_a_quantized_lora_llama_above_chance():
-    # Half the default steps; int8 is tested in tests/test_quantization.py.
-    result = run_example("qlora.py", "--steps", "60", "--modes", "int4")
+    # The loss-scaled run at half the default steps; int8 and 'auto'
+    # (bfloat16 here) are tested in tests/test_quantization.py.
+    result = run_example(
+        "qlora.py", "--steps", "60", "--modes", "int4", "--policies", "mixed_float16"
+    )
     runs = re.findall(
         r"\n(\S+) \((\S+)\), (int\d) base.*?loss scale: (\S+);.*?"
         r"accuracy: ([0-9.]+) before, ([0-9.]+) after \(chance ([0-9.]+)\)",
         result.stdout,
         flags=re.DOTALL,
     )
-    assert {(policy, mode) for policy, _, mode, *_ in runs} >= {
-        ("auto", "int4"),
-        ("mixed_float16", "int4"),
+    assert {(policy, mode) for policy, _, mode, *_ in runs} == {
+        ("mixed_float16", "int4")
     }
     for policy, resolved, mode, scale, before, after, chance in runs:
         assert float(after) > max(3 * float(chance), float(before)), (policy, mode)
