@@ -95,15 +95,24 @@ class _Context:
         return self.seq
 
 
-def _key():
-    """The current step context: the outermost function graph being built
-    (a while-loop or cond body belongs to its function), or None (eager)."""
+def _step_graphs() -> list:
+    """The graph being built and those enclosing it, up to its function (a
+    while-loop or cond body belongs to its function); [] when eager."""
     if tf.executing_eagerly():
-        return None
+        return []
     graph = tf.compat.v1.get_default_graph()
+    graphs = [graph]
     while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
         graph = graph.outer_graph
-    return graph
+        graphs.append(graph)
+    return graphs
+
+
+def _key():
+    """The current step context: the outermost function graph being built,
+    or None (eager)."""
+    graphs = _step_graphs()
+    return graphs[-1] if graphs else None
 
 
 class Ledger:
@@ -241,13 +250,9 @@ def _computed_here(grads) -> bool:
     built or one enclosing it, up to its function; not the function's inputs
     or captured values): computed in this step, from a loss no one scaled
     here. Eager values carry no such record."""
-    if tf.executing_eagerly():
+    step = _step_graphs()
+    if not step:
         return False
-    graph = tf.compat.v1.get_default_graph()
-    step = [graph]
-    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
-        graph = graph.outer_graph
-        step.append(graph)
     found = False
     for g in grads:
         if g is None:
