@@ -13,8 +13,11 @@ import time
 from typing import Any
 
 
-def step_timer(times: list[float]):
-    """A Keras callback that appends each train step's wall time to `times`."""
+def step_timer(times: list[float], budget_s: float | None = None):
+    """A Keras callback that appends each train step's wall time to `times`.
+
+    With `budget_s`, training stops after the step that takes the total
+    past it (after two steps at least: the first includes tracing)."""
     import keras
 
     class StepTimer(keras.callbacks.Callback):
@@ -23,6 +26,8 @@ def step_timer(times: list[float]):
 
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter() - self._start)
+            if budget_s is not None and len(times) >= 2 and sum(times) > budget_s:
+                self.model.stop_training = True
 
     return StepTimer()
 

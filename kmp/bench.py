@@ -35,6 +35,12 @@ class BenchResult:
     final_loss: float  # the loss Keras reports after the run (its mean)
     skipped_steps: int | None  # None: not counted (plain Keras)
     step_ms: tuple[float, ...]  # every timed step, all rounds
+    # Plain Keras's step time over kmp's, same policy (kmp rows, with
+    # compare_keras): above 1, kmp is faster.
+    kmp_vs_keras: float | None = None
+    # Whether a run was stopped at its time budget (its figure is then from
+    # fewer steps, possibly from before the warm-up ended).
+    stopped_early: bool = False
 
 
 def build_model(name: str, seed: int = 0):
@@ -104,8 +110,15 @@ def _load_model(path: str, seed: int):
     import keras
     import numpy as np
 
-    saved = keras.models.load_model(path, compile=False)
-    config = saved.get_config()
+    # Read under float32: a layer that builds sublayers in its constructor
+    # gives them the global policy, which would clash with its saved dtype.
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float32")
+    try:
+        saved = keras.models.load_model(path, compile=False)
+        config = saved.get_config()
+    finally:
+        keras.config.set_dtype_policy(policy)
 
     def drop_dtypes(layers):
         # Layers then take the policy in force; inputs keep their dtypes.
@@ -120,14 +133,29 @@ def _load_model(path: str, seed: int):
     rng = np.random.default_rng(seed)
     shape = tuple(model.inputs[0].shape[1:])
     out_units = model.outputs[0].shape[-1]
+    vocabulary = _token_range(model)
 
     def make(n):
-        return (
-            rng.normal(size=(n, *shape)).astype("float32"),
-            rng.normal(size=(n, out_units)).astype("float32"),
-        )
+        if vocabulary:  # a text model: token ids every Embedding accepts
+            x = rng.integers(0, vocabulary, (n, *shape))
+        else:
+            x = rng.normal(size=(n, *shape)).astype("float32")
+        return x, rng.normal(size=(n, out_units)).astype("float32")
 
     return model, make
+
+
+def _token_range(model) -> int | None:
+    """For a model with Embedding layers: the smallest vocabulary among
+    them (ids below it are valid for each), else None."""
+    import keras
+
+    sizes = [
+        layer.input_dim
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Embedding)
+    ]
+    return min(sizes) if sizes else None
 
 
 def run_one(
@@ -137,13 +165,20 @@ def run_one(
     batch_size: int,
     seed: int,
     plain_keras: bool = False,
+    budget_s: float | None = None,
+    imports: Sequence[str] = (),
 ) -> dict:
     """Trains `model` under `policy` for `steps` timed steps in this process
     and returns its figures (called in a fresh process by `run`).
 
     With `plain_keras`, the same run without kmp: Keras's own global dtype
     policy and `model.compile` (which wraps the optimizer in Keras's own
-    loss-scale optimizer under mixed_float16), for comparison."""
+    loss-scale optimizer under mixed_float16), for comparison. With
+    `budget_s`, the run stops once its steps have taken that long (two
+    steps at least), and its figure comes from the steps after the first.
+    `imports` are modules imported first (those that register a saved
+    model's own layer classes)."""
+    import importlib
     import resource
 
     import keras
@@ -152,6 +187,8 @@ def run_one(
     import kmp
     from kmp import policy as policy_lib
 
+    for module in imports:
+        importlib.import_module(module)
     if plain_keras:
         keras.config.set_dtype_policy(policy_lib.get(policy).keras_name)
     else:
@@ -176,9 +213,10 @@ def run_one(
         epochs=1,
         verbose=0,
         shuffle=False,
-        callbacks=[_runs.step_timer(times)],
+        callbacks=[_runs.step_timer(times, budget_s)],
     )
-    timed = times[WARMUP_STEPS:]
+    stopped_early = len(times) < steps + WARMUP_STEPS
+    timed = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times[1:]
     gpu_peak = None
     if tf.config.list_physical_devices("GPU"):
         gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
@@ -195,6 +233,7 @@ def run_one(
         "final_loss": float(history.history["loss"][-1]),
         # None: Keras's own loss-scale wrapper keeps no count of skips.
         "skipped_steps": skipped,
+        "stopped_early": stopped_early,
     }
 
 
@@ -208,6 +247,8 @@ def run(
     timeout: float = 900,
     progress: Callable[[str], None] | None = None,
     compare_keras: bool = False,
+    keras_budget_s: float | None = 120.0,
+    imports: Sequence[str] = (),
 ) -> list[BenchResult]:
     """Benchmarks `model` under each policy; returns one `BenchResult` each.
 
@@ -222,6 +263,13 @@ def run(
         progress: Called with a line of text before each run.
         compare_keras: Also run each policy with plain Keras (no kmp), as
             `keras:<policy>` rows, interleaved with the kmp runs.
+        keras_budget_s: Seconds one plain-Keras run may train before it is
+            stopped (`None`: no limit). Plain Keras's float16 takes minutes
+            per step on some CPUs; such a row is marked `stopped_early`.
+        imports: Modules each run imports before loading a `.keras` file:
+            those that register its own layer classes
+            (`@keras.saving.register_keras_serializable`). Text models
+            (with `Embedding` layers) get token ids as inputs.
 
     Raises:
         ValueError: for an unknown model or policy, or non-positive counts.
@@ -261,7 +309,16 @@ def run(
             runs[label].append(
                 _runs.in_fresh_process(
                     "kmp.bench:run_one",
-                    [model, name, steps, batch_size, seed, keras],
+                    [
+                        model,
+                        name,
+                        steps,
+                        batch_size,
+                        seed,
+                        keras,
+                        keras_budget_s if keras else None,
+                        list(imports),
+                    ],
                     timeout,
                     what=label,
                     show_output=False,
@@ -304,6 +361,12 @@ def run(
                     else max(r["skipped_steps"] for r in name_runs)
                 ),
                 step_ms=step_ms,
+                kmp_vs_keras=(
+                    None
+                    if name.startswith("keras:") or median_of(f"keras:{name}") is None
+                    else round(median_of(f"keras:{name}") / median, 3)
+                ),
+                stopped_early=any(r.get("stopped_early") for r in name_runs),
             )
         )
     return results

@@ -63,6 +63,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         rows.append(("TPU", f"{caps.tpus} device(s)", "yes", "no", "-"))
     print(format_table(("device", "name", "bfloat16", "float16", "features"), rows))
     print(f"\n'auto' picks: {report.auto.policy}\n  because: {report.auto.reason}")
+    print(f"\nfused update: {report.fused_update}")
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
     if report.warnings:
         print("\nwarnings:")
@@ -83,6 +84,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         compare_keras=args.keras,
+        keras_budget_s=args.keras_budget or None,
+        imports=args.imports,
     )
     if args.plot:
         bench.plot(results, args.plot, title=f"kmp bench: {args.model}")
@@ -93,6 +96,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     header = ["policy", "ms/step", "speed-up", "samples/s", "peak RSS MB"]
     header += ["peak GPU MB"] if gpu else []
     header += ["loss (mean)", "skipped"]
+    compared = any(r.kmp_vs_keras is not None for r in results)
+    header += ["kmp/Keras"] if compared else []
     rows = []
     for r in results:
         row = [
@@ -105,12 +110,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         row += [f"{r.peak_gpu_mb:.0f}"] if gpu else []
         skipped = "-" if r.skipped_steps is None else str(r.skipped_steps)
         row += [f"{r.final_loss:.4f}", skipped]
+        if compared:
+            row += ["-" if r.kmp_vs_keras is None else f"{r.kmp_vs_keras:.2f}"]
+        if r.stopped_early:
+            row[1] += " (stopped early)"
         rows.append(row)
     print(
         f"kmp bench: {args.model}, batch {args.batch_size}, {args.steps} timed "
         f"steps x {args.rounds} rounds, medians\n"
     )
     print(format_table(header, rows))
+    if compared:
+        print(
+            "\nkmp/Keras: plain Keras's step time over kmp's under the same "
+            "policy (above 1: kmp is faster)."
+        )
+    if any(r.stopped_early for r in results):
+        print(
+            f"stopped early: the run reached --keras-budget ({args.keras_budget:g} "
+            "s); its figure is from its steps after the first."
+        )
     if args.plot:
         print(f"\nplot: {args.plot}")
     return 0
@@ -122,6 +141,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import os
 
     from kmp import demo
+    from kmp import hardware
 
     runs = demo.run(model=args.model, epochs=args.epochs)
     base = next(r for r in runs if r.policy == "float32")
@@ -140,6 +160,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     "accuracy_within_1_point_of_float32": close,
                     "well_above_chance": learned,
                     "converged": converged,
+                    "fast_path": hardware.fast_path(hardware.capabilities()),
                     "plot": plot_path,
                 },
                 indent=2,
@@ -182,6 +203,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             rows,
         )
     )
+    print(f"\n{hardware.fast_path(hardware.capabilities())}")
     print(f"\nloss curves and loss scale: {plot_path}")
     if not learned:
         print(
@@ -244,13 +266,36 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run each policy with plain Keras, for comparison",
     )
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE in each run first: the module that registers a "
+        ".keras file's own layer classes (repeatable)",
+    )
+    p.add_argument(
+        "--keras-budget",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="stop a plain-Keras run after this long (0: no limit; default "
+        "%(default)g): its float16 takes minutes per step on some CPUs",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser(
         "demo", help="train on a real dataset under float32 and kmp's policy"
     )
-    p.add_argument("--model", choices=("cnn", "transformer"), default="cnn")
+    p.add_argument(
+        "--model",
+        choices=("mlp", "cnn", "transformer"),
+        default="mlp",
+        help="mlp (default: its step is mostly matmuls, so a 16-bit speed-up "
+        "shows), or the small cnn or transformer",
+    )
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--plot", default="kmp-demo.png", metavar="PATH.png")
     p.add_argument("--json", action="store_true", help="print JSON")

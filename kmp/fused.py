@@ -5,7 +5,7 @@ float32 update of every weight, and that update does not get faster with
 16-bit math. Keras's optimizers write the update as separate elementwise
 ops (Adam: about a dozen passes over the weights, the moments and the
 gradients); on a CPU those passes are memory-bound, and for a 3 x Dense(2048)
-MLP under bfloat16 they were about a quarter of the step (issue #5). Running
+MLP under bfloat16 they were about a quarter of the step. Running
 the same `apply` under `tf.function(jit_compile=True)` lets XLA fuse the
 passes into a few loops over the data: the same formulas, 3x faster here for
 Adam (benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does
@@ -19,16 +19,34 @@ TPUs: on a GPU machine Keras's `jit_compile="auto"` (the default) compiles
 the whole training step with XLA, update included, when every layer
 supports it, while on a CPU-only machine it turns XLA off.
 
+Fusing pays only when the update is large: an XLA program costs a fixed
+~0.1-0.3 ms per call and a compilation of ~0.3-2 s at the first step, and
+saves time in proportion to the weights it updates. Measured for Adam on a
+CPU (benchmarks/RESULTS.md, "When fusing pays"): equal or slightly slower
+below ~300 K float32 weights, 2x faster from 1 M, 3x at 10 M. So the
+default fuses an update of at least `MIN_WEIGHTS` (1 M) weights, counted
+from the variables it updates: the decision depends on the model and the
+machine only, never on a timing, and is the same on every run.
+
+A sparse gradient (`tf.IndexedSlices`, an `Embedding`'s) is made dense
+before it enters the XLA program: XLA compiles one program per input
+shape, and a sparse gradient's shape follows the batch (a last, smaller
+batch or a new sequence length would compile the whole update again,
+~1 s each). Keras's own update makes it dense as well (Adam's first
+subtraction does), so the numbers are the same.
+
 `kmp.LossScaleOptimizer(fused_update=...)` decides, under any policy:
 `None` (the default) fuses the Keras optimizers in `TESTED` (each tested to
 compute the same numbers fused; not their subclasses) on machines without
-GPUs or TPUs (where it was measured), outside tf.distribute strategies (an
-update that all-reduces across replicas cannot run inside one XLA program
-here) and unless op determinism is enabled (as Keras, which then keeps XLA
-off); `True` and `False` force it, `True` also for other optimizer classes.
-`kmp.compile` wraps every optimizer (to skip non-finite steps), but its
-default fuses only under 16-bit policies; float32 models are fused when
-asked for.
+GPUs or TPUs (where it was measured), when the update has at least
+`MIN_WEIGHTS` weights, outside tf.distribute strategies (an update that
+all-reduces across replicas cannot run inside one XLA program here) and
+unless op determinism is enabled (as Keras, which then keeps XLA off);
+`True` and `False` force it, `True` also for other optimizer classes and
+for small updates. `kmp.compile` wraps every optimizer (to skip non-finite
+steps) with this default, under every policy: float32 models keep float32
+weights too, and kmp's skip costs Keras's unfused update a few percent that
+fusing more than wins back. `kmp doctor` states this rule.
 """
 
 from __future__ import annotations
@@ -51,6 +69,11 @@ TESTED = tuple(
         "Adadelta", "Adafactor", "Ftrl", "Lamb", "Lion",
     )
 )  # fmt: skip
+
+
+# The smallest update (in weights, summed over its variables) that
+# `fused_update=None` fuses; see the module docstring for the measurement.
+MIN_WEIGHTS = 1_000_000
 
 
 def default_for_machine() -> bool:
@@ -98,10 +121,39 @@ def is_tested(optimizer: Any) -> bool:
     return type(optimizer) in TESTED
 
 
-def resolve(setting: bool | None, optimizer: Any = None) -> bool:
+def weights_of(variables: Any) -> int:
+    """The number of weights in `variables` (the sum of their sizes)."""
+    total = 0
+    for variable in variables:
+        size = 1
+        for dim in variable.shape:
+            size *= int(dim)
+        total += size
+    return total
+
+
+def rule() -> str:
+    """The default rule in one sentence, as `kmp doctor` prints it."""
+    if not default_for_machine():
+        return (
+            "The optimizer update is not fused by default here: on a machine "
+            "with GPUs or TPUs, Keras's jit_compile='auto' compiles the whole "
+            "step with XLA where it can."
+        )
+    return (
+        "kmp fuses the float32 optimizer update with XLA when it updates at "
+        f"least {MIN_WEIGHTS:,} weights (Keras's "
+        "own optimizer classes; not under a tf.distribute strategy or with op "
+        "determinism): below that size the XLA call costs about what fusing "
+        "saves. fused_update=True/False forces it."
+    )
+
+
+def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) -> bool:
     """Whether an apply with this `fused_update` setting fuses, here and now
     (called when the update is traced, so it sees the strategy in force).
-    With `setting=None`, only the classes in `TESTED` are fused.
+    With `setting=None`, only the classes in `TESTED` are fused, and only
+    updates of at least `MIN_WEIGHTS` weights when `variables` are given.
 
     Example:
 
@@ -109,6 +161,9 @@ def resolve(setting: bool | None, optimizer: Any = None) -> bool:
     (True, False)
     >>> kmp.fused.resolve(None) == kmp.fused.default_for_machine()
     True
+    >>> small = [keras.Variable(np.zeros((1000, 100)))]  # 100 K weights
+    >>> kmp.fused.resolve(None, "adam", small)
+    False
     """
     if setting is False:
         return False
@@ -131,6 +186,7 @@ def resolve(setting: bool | None, optimizer: Any = None) -> bool:
         default_for_machine()
         and not _op_determinism_enabled()
         and (optimizer is None or is_tested(optimizer))
+        and (variables is None or weights_of(variables) >= MIN_WEIGHTS)
     )
 
 
@@ -139,7 +195,9 @@ class FusedApply:
 
     One compiled function per list of variables (a model trains one list;
     a custom loop may train several). The optimizer must be built first:
-    XLA programs cannot create variables.
+    XLA programs cannot create variables. Sparse gradients are made dense
+    first, so that the program's input shapes are the variables' shapes
+    and it is compiled once, whatever the batch.
     """
 
     def __init__(self, optimizer: Any):
@@ -158,4 +216,17 @@ class FusedApply:
             # The closure keeps `variables` alive, so their ids stay theirs.
             function = tf.function(update, jit_compile=True, reduce_retracing=True)
             self._functions[key] = function
-        function(list(grads))
+        shapes = [None] * len(grads) if variables is None else variables
+        function([dense_gradient(g, v) for g, v in zip(grads, shapes, strict=True)])
+
+
+def dense_gradient(gradient: Any, variable: Any = None) -> Any:
+    """A sparse gradient (`tf.IndexedSlices`) as the dense tensor Keras's
+    own optimizers turn it into (rows summed per index), of `variable`'s
+    static shape when given; any other gradient as it is."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    dense = tf.convert_to_tensor(gradient)
+    if variable is not None and not tf.executing_eagerly():
+        dense.set_shape(variable.shape)
+    return dense

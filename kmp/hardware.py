@@ -184,6 +184,64 @@ def choose_policy(
     )
 
 
+def fast_path(caps: Capabilities) -> str:
+    """One line on the 16-bit math this machine has: what a speed-up over
+    float32 can come from here, or why there is none.
+
+    Example:
+
+    >>> cpu = kmp.hardware.CPUInfo("some CPU", 2, frozenset())
+    >>> print(kmp.hardware.fast_path(kmp.hardware.Capabilities(cpu, (), 0)))
+    No fast 16-bit path: this CPU has no native bfloat16 or float16 math ...
+    """
+    if caps.tpus:
+        return "Fast path: TPUs, whose matrix units compute in bfloat16."
+    if caps.gpus:
+        gpu = min(caps.gpus, key=lambda g: g.compute_capability)
+        kinds = [
+            name
+            for name, has in (
+                ("bfloat16", gpu.bfloat16_tensor_cores),
+                ("float16", gpu.float16_tensor_cores),
+            )
+            if has
+        ]
+        if kinds:
+            return (
+                f"Fast path: the {' and '.join(kinds)} Tensor Cores of {gpu.name}; "
+                "the speed-up is largest where matmuls and convolutions dominate "
+                "the step."
+            )
+        return (
+            f"No fast 16-bit path: {gpu.name} has no 16-bit Tensor Cores, so "
+            "mixed precision saves memory here but little time."
+        )
+    flags = caps.cpu.flags
+    if "amx_bf16" in flags:
+        line = (
+            "Fast path: AMX-BF16 (bfloat16 matrix units) on this CPU: bfloat16 "
+            "matmuls run several times faster than float32; the step's float32 "
+            "parts (optimizer update, normalization, softmax, casts) do not"
+        )
+    elif "avx512_bf16" in flags:
+        line = (
+            "Fast path: AVX512-BF16 on this CPU (bfloat16 dot products, no "
+            "matrix units): bfloat16 matmuls are faster than float32, by less "
+            "than on CPUs with AMX"
+        )
+    elif caps.cpu.native_float16:
+        line = "Fast path: native float16 math (AVX512-FP16) on this CPU"
+    else:
+        return (
+            "No fast 16-bit path: this CPU has no native bfloat16 or float16 "
+            "math (no AVX512-BF16, AMX-BF16 or AVX512-FP16), so 16-bit "
+            "policies run emulated and float32 is the fast choice here."
+        )
+    if caps.cpu.native_bfloat16 and caps.cpu.native_float16:
+        line += "; float16 math is native too (AVX512-FP16)"
+    return line + "."
+
+
 # The grappler `remapping` option as it was before kmp turned it off, or None
 # while kmp has not changed it.
 _remapping_before_kmp: list[bool] = []
@@ -194,7 +252,7 @@ def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
 
     On a machine without GPUs or TPUs, a float16 policy turns off grappler's
     remapper, whose fused float16 MatMul+BiasAdd CPU kernel was measured at
-    ~0.1 GFLOP/s on Intel machines (issue #5), and only while a float16
+    ~0.1 GFLOP/s on Intel machines, and only while a float16
     policy is in force: bfloat16 keeps its fused kernels, and the previous
     setting comes back when the policy changes. `kmp.set_policy` and
     `kmp.policy_scope` call this.
@@ -249,6 +307,7 @@ class DoctorReport:
     auto: AutoChoice
     versions: dict[str, str]
     warnings: tuple[str, ...]
+    fused_update: str = ""  # the rule `fused_update=None` follows here
 
     def to_dict(self) -> dict:
         caps = self.capabilities
@@ -274,6 +333,7 @@ class DoctorReport:
             "auto": {"policy": self.auto.policy, "reason": self.auto.reason},
             "versions": dict(self.versions),
             "warnings": list(self.warnings),
+            "fused_update": self.fused_update,
         }
 
 
@@ -290,9 +350,7 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
         warnings.append(
             "Training on the CPU: under float16, kmp computes convolutions in "
             "float32 (float16 CPU convolutions are several times slower than "
-            "float32), and under 16-bit policies kmp.compile fuses the float32 "
-            "optimizer update with XLA (kmp.fused: several times faster for "
-            "Adam); figures in benchmarks/RESULTS.md."
+            "float32)."
         )
         if not caps.cpu.native_bfloat16:
             warnings.append(
@@ -335,6 +393,7 @@ def doctor() -> DoctorReport:
     import keras
     import tensorflow as tf
 
+    from kmp import fused
     from kmp.version import __version__
 
     caps = capabilities()
@@ -351,6 +410,7 @@ def doctor() -> DoctorReport:
             "keras": keras.__version__,
         },
         warnings=notes,
+        fused_update=fused.rule(),
     )
 
 

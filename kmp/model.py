@@ -38,16 +38,17 @@ def compile(
       `History`; with `auto_scale_loss=False` too.
 
     An optimizer that already is a loss-scale optimizer (kmp's or Keras's) is
-    kept. Under a 16-bit model the float32 weight update is fused by XLA
-    where that helps (`kmp.fused`). The precision report says what was
+    kept. The float32 weight update is fused by XLA where that helps
+    (`kmp.fused`). The precision report says what was
     decided (`kmp.precision_report(model).loss_scaling`).
 
     Args:
         model: The Keras model to compile.
         *args: Positional arguments of `model.compile`.
         fused_update: `None` (default) fuses the optimizer update where that
-            helps when the model computes in a 16-bit dtype; `True` fuses it
-            under any policy (float32 too); `False` never. For an optimizer
+            helps (`kmp.fused`: Keras's optimizer classes, updates of at
+            least `kmp.fused.MIN_WEIGHTS` weights, machines without GPUs);
+            `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
         **kwargs: Keyword arguments of `model.compile`.
 
@@ -122,9 +123,6 @@ def compile(
     planning.prepare(model)
     the_plan = planning.plan(model)
     float16 = the_plan.computes_in_float16
-    sixteen = any(
-        d.policy is not None and d.policy.is_16bit for d in the_plan.decisions
-    )
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
     hardware.apply_fast_paths("float16" if float16 else the_plan.base.compute_dtype)
@@ -139,7 +137,7 @@ def compile(
         if optimizer is None:
             unresolved[name] = value  # the model's own compile resolves it
             continue
-        wrapped[name] = _wrap(optimizer, scale, sixteen, fused_update)
+        wrapped[name] = _wrap(optimizer, scale, fused_update)
         if name in positional:
             holder, i = positional[name]
             items = list(arguments[holder])
@@ -160,9 +158,7 @@ def compile(
             resolved, LossScaleOptimizer
         ):
             name = next(iter(unresolved))
-            wrapped[name] = arguments[name] = _wrap(
-                resolved, scale, sixteen, fused_update
-            )
+            wrapped[name] = arguments[name] = _wrap(resolved, scale, fused_update)
             _call(model, bound, arguments)
     if wrapped:
         telemetry.register(model, wrapped)
@@ -227,12 +223,8 @@ def _resolve(value: Any) -> keras.optimizers.Optimizer | None:
         return None
 
 
-def _wrap(
-    optimizer: Any, scale: bool, sixteen: bool, fused_update: bool | None
-) -> LossScaleOptimizer:
+def _wrap(optimizer: Any, scale: bool, fused_update: bool | None) -> LossScaleOptimizer:
     """The kmp optimizer that takes `optimizer`'s place."""
-    if fused_update is None and not sixteen:
-        fused_update = False  # float32 models: fused only when asked for
     return LossScaleOptimizer(
         optimizer, mode="dynamic" if scale else "none", fused_update=fused_update
     )

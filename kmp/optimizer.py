@@ -91,9 +91,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             program (`kmp.fused`): the same formulas, with the elementwise
             passes over the float32 weights fused. `None` (default) fuses
             the Keras optimizer classes in `kmp.fused.TESTED` on machines
-            without GPUs or TPUs, outside tf.distribute strategies; `True`
-            or `False` force it (`True` also fuses other classes, such as
-            your own).
+            without GPUs or TPUs, for updates of at least
+            `kmp.fused.MIN_WEIGHTS` weights, outside tf.distribute
+            strategies; `True` or `False` force it (`True` also fuses other
+            classes, such as your own, and small updates).
         name: The optimizer's name.
         dynamic_growth_steps: Keras's name for `growth_interval`.
 
@@ -583,7 +584,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""
-        if fused.resolve(self.fused_update, self.inner_optimizer):
+        if fused.resolve(self.fused_update, self.inner_optimizer, variables):
             self._fused_apply(grads, variables)
         else:
             self.inner_optimizer.apply(grads, variables)

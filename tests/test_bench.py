@@ -5,6 +5,7 @@ import sys
 import keras
 import pytest
 
+from kmp import _runs
 from kmp import bench
 from kmp import cli
 
@@ -57,21 +58,88 @@ def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_runs_a_saved_model_under_each_policy(tmp_path):
-    model = keras.Sequential(
-        [keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(4)]
-    )
-    path = tmp_path / "small.keras"
-    model.save(path)
+def test_bench_runs_a_saved_text_model_with_its_own_layers(tmp_path):
+    """keras-io's text Transformer (its own layer classes, token inputs)
+    saved to a file: each run imports the module that registers them."""
+    from benchmarks import keras_io_text_transformer as keras_io
+
+    path = tmp_path / "text_transformer.keras"
+    keras_io.keras_io_text_transformer(vocab_size=100, maxlen=16).save(path)
     results = bench.run(
         str(path),
         policies=("float32", "mixed_bfloat16"),
         steps=2,
         batch_size=8,
         rounds=1,
+        imports=["benchmarks.keras_io_text_transformer"],
     )
     assert [r.policy for r in results] == ["float32", "mixed_bfloat16"]
     assert all(math.isfinite(r.final_loss) for r in results)
+
+
+def test_bench_compares_each_policy_with_plain_keras_and_bounds_its_runs(
+    monkeypatch,
+):
+    calls = []
+
+    def fake_run(function, args, timeout, what, show_output):
+        _, policy, steps, _, _, plain, budget, imports = args
+        calls.append((what, budget, imports))
+        ms = {"float32": 100.0, "mixed_bfloat16": 50.0}[policy] * (2 if plain else 1)
+        return {
+            "policy": what,
+            "step_ms": [ms] * steps,
+            "peak_host_rss_mb": 900.0,
+            "peak_gpu_mb": None,
+            "final_loss": 1.0,
+            "skipped_steps": 0,
+            "stopped_early": plain and policy == "mixed_bfloat16",
+        }
+
+    monkeypatch.setattr(bench._runs, "in_fresh_process", fake_run)
+    results = {
+        r.policy: r
+        for r in bench.run(
+            "mlp",
+            policies=("float32", "mixed_bfloat16"),
+            steps=3,
+            rounds=1,
+            compare_keras=True,
+            keras_budget_s=30.0,
+        )
+    }
+    # The budget bounds plain Keras's runs only.
+    assert sorted(calls) == [
+        ("float32", None, []),
+        ("keras:float32", 30.0, []),
+        ("keras:mixed_bfloat16", 30.0, []),
+        ("mixed_bfloat16", None, []),
+    ]
+    assert results["float32"].kmp_vs_keras == 2.0  # Keras 200 ms, kmp 100
+    assert results["mixed_bfloat16"].kmp_vs_keras == 2.0
+    assert results["keras:float32"].kmp_vs_keras is None
+    assert results["keras:mixed_bfloat16"].stopped_early
+    assert not results["mixed_bfloat16"].stopped_early
+
+
+def test_a_run_over_its_budget_stops_after_two_steps():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.stop_training = False  # as fit sets it
+    times = []
+    timer = _runs.step_timer(times, budget_s=0.0)
+    timer.set_model(model)
+    for step in range(2):
+        timer.on_train_batch_begin(step)
+        timer.on_train_batch_end(step)
+        # The first step (tracing) never stops a run on its own.
+        assert model.stop_training == (step == 1)
+    unbounded = _runs.step_timer([], budget_s=None)
+    model.stop_training = False
+    unbounded.set_model(model)
+    for step in range(3):
+        unbounded.on_train_batch_begin(step)
+        unbounded.on_train_batch_end(step)
+    assert not model.stop_training
 
 
 def test_bench_table_is_printed(capsys, monkeypatch):

@@ -4,6 +4,7 @@ import pytest
 
 from kmp import cli
 from kmp import demo
+from kmp import hardware
 
 
 @pytest.mark.slow
@@ -11,6 +12,8 @@ def test_demo_trains_each_policy_to_float32_accuracy(capsys, tmp_path):
     plot = tmp_path / "demo.png"
     assert cli.main(["demo", "--json", "--plot", str(plot)]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "mlp"  # matmuls dominate its step
+    assert report["fast_path"] == hardware.fast_path(hardware.capabilities())
     runs = {r["policy"]: r for r in report["runs"]}
     assert "float32" in runs and "mixed_float16" in runs
     assert report["accuracy_within_1_point_of_float32"] is True
@@ -38,6 +41,8 @@ def test_demo_table_with_the_transformer(capsys, tmp_path):
     out = capsys.readouterr().out
     assert code == 0
     assert "have not converged yet" in out  # 2 epochs: no 1-point claim
+    # One line says what a speed-up comes from on this machine.
+    assert f"\n{hardware.fast_path(hardware.capabilities())}\n" in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
     columns = header.split()
     assert columns.index("ms/step") < columns.index("speed-up")

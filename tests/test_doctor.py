@@ -76,6 +76,46 @@ def test_known_slow_paths(machine, expected):
         assert text in warning
 
 
+@pytest.mark.parametrize(
+    "machine, expected",
+    [
+        (caps(), "No fast 16-bit path: this CPU has no native"),
+        (caps({"avx512_bf16"}), "Fast path: AVX512-BF16 on this CPU (bfloat16 dot"),
+        (
+            caps({"amx_bf16", "avx512_bf16", "avx512_fp16"}),
+            "Fast path: AMX-BF16 (bfloat16 matrix units)",
+        ),
+        (caps({"avx512_fp16"}), "Fast path: native float16 math (AVX512-FP16)"),
+        (
+            caps(gpus=[("A100", (8, 0))]),
+            "the bfloat16 and float16 Tensor Cores of A100",
+        ),
+        (caps(gpus=[("P100", (6, 0))]), "No fast 16-bit path: P100 has no 16-bit"),
+        (caps(tpus=8), "Fast path: TPUs"),
+    ],
+)
+def test_fast_path_names_what_a_speed_up_comes_from(machine, expected):
+    line = hardware.fast_path(machine)
+    assert expected in line
+    assert "\n" not in line
+    # float16 being native too is said only where it is.
+    assert ("float16 math is native too" in line) == (
+        machine.cpu.flags >= {"amx_bf16", "avx512_fp16"} and not machine.gpus
+    )
+
+
+def test_doctor_states_the_fused_update_rule(capsys, monkeypatch):
+    from kmp import fused
+
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"fused update: {fused.rule()}" in out
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    assert f"at least {fused.MIN_WEIGHTS:,} weights" in fused.rule()
+    monkeypatch.setattr(fused, "default_for_machine", lambda: False)
+    assert "not fused by default here" in fused.rule()
+
+
 def test_doctor_returns_data_matching_the_auto_policy():
     report = kmp.doctor()
     # What doctor says 'auto' picks is what set_policy('auto') sets.

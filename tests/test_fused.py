@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from kmp import bench
 from kmp import fused
 from kmp import hardware
 
@@ -129,17 +130,24 @@ def test_sparse_embedding_gradients_are_fused_like_dense_ones():
         )
         model.compile(optimizer=opt, loss="mse")
         before = model.layers[0].embeddings.numpy()
-        for step in range(3):  # different rows each step; 45..49 never
-            x = (np.arange(40).reshape(8, 5) + 3 * step) % 45
-            model.train_on_batch(x, np.ones((8, 1)))
+        # Different rows each step (43..49 never) and batches of 8, 8 and 5
+        # rows: the sparse gradient's shape follows the batch.
+        for step, rows in enumerate((8, 8, 5)):
+            x = (np.arange(5 * rows).reshape(rows, 5) + 3 * step) % 45
+            model.train_on_batch(x, np.ones((rows, 1)))
         return opt, before, model.layers[0].embeddings.numpy()
 
     (_, _, plain), (opt, before, fast) = run(False), run(True)
     (function,) = opt._fused_apply._functions.values()
-    assert "IndexedSlices" in function.pretty_printed_concrete_signatures()
+    # Made dense at the variable's shape before XLA: one program, whatever
+    # the batch (XLA compiles one program per input shape).
+    assert function.experimental_get_tracing_count() == 1
+    signature = function.pretty_printed_concrete_signatures()
+    assert "IndexedSlices" not in signature
+    assert "TensorSpec(shape=(50, 8), dtype=tf.float32" in signature
     np.testing.assert_allclose(fast, plain, rtol=1e-5, atol=1e-7)
-    assert np.abs(fast[:45] - before[:45]).min() > 0
-    np.testing.assert_array_equal(fast[45:], before[45:])
+    assert np.abs(fast[:43] - before[:43]).min() > 0
+    np.testing.assert_array_equal(fast[43:], before[43:])
 
 
 def test_eager_custom_loop_fuses_per_variable_list():
@@ -172,9 +180,43 @@ def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
     assert fused.resolve(False) is False
 
 
+def test_the_default_fuses_an_update_by_its_number_of_weights(monkeypatch):
+    """The decision follows the variables the update touches, the same on
+    every run: no timing is involved."""
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    at_threshold = [
+        keras.Variable(np.zeros((1000, 999))),
+        keras.Variable(np.zeros(1000)),
+    ]
+    below = [keras.Variable(np.zeros((1000, 999)))]
+    assert fused.weights_of(at_threshold) == fused.MIN_WEIGHTS == 1_000_000
+    assert fused.resolve(None, "adam", at_threshold)
+    assert not fused.resolve(None, "adam", below)
+    assert fused.resolve(True, "adam", below)  # True forces it
+    assert not fused.resolve(False, "adam", at_threshold)
+    # The built-in benchmark models: the MLP (12.6 M weights) and the
+    # transformer (3.7 M) are fused, the small CNN (0.3 M) is not.
+    decisions = {
+        name: fused.resolve(
+            None, "adam", bench.build_model(name)[0].trainable_variables
+        )
+        for name in bench.BUILTIN_MODELS
+    }
+    assert decisions == {"mlp": True, "cnn": False, "transformer": True}
+
+    # Through kmp.compile and fit: a model's own update decides, every time.
+    kmp.set_policy("mixed_bfloat16")
+    for min_weights, fuses in ((10**9, False), (1, True), (10**9, False)):
+        monkeypatch.setattr(fused, "MIN_WEIGHTS", min_weights)
+        model = kmp.compile(mlp(), optimizer="adam", loss="mse")
+        model.fit(*data(32), verbose=0)
+        assert bool(model.optimizer._fused_apply._functions) == fuses
+
+
 @pytest.mark.parametrize("machine_fuses", [True, False])
 def test_kmp_compile_wraps_alike_on_every_machine(monkeypatch, machine_fuses):
     monkeypatch.setattr(fused, "default_for_machine", lambda: machine_fuses)
+    monkeypatch.setattr(fused, "MIN_WEIGHTS", 1)  # this small MLP counts
     loss = "mse"
 
     kmp.set_policy("mixed_bfloat16")
@@ -190,9 +232,11 @@ def test_kmp_compile_wraps_alike_on_every_machine(monkeypatch, machine_fuses):
     model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=False)
     assert model.optimizer.mode == "none" and model.optimizer.fused_update is False
 
-    kmp.set_policy("float32")  # float32: not fused unless asked
+    kmp.set_policy("float32")  # float32: the same rule
     model = kmp.compile(mlp(), optimizer="adam", loss=loss)
-    assert model.optimizer.mode == "none" and model.optimizer.fused_update is False
+    assert model.optimizer.mode == "none" and model.optimizer.fused_update is None
+    model.fit(*data(32), verbose=0)
+    assert bool(model.optimizer._fused_apply._functions) == machine_fuses
     model = kmp.compile(mlp(), optimizer="adam", loss=loss, fused_update=True)
     assert model.optimizer.mode == "none" and model.optimizer.fused_update
 

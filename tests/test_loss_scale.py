@@ -198,3 +198,26 @@ def test_all_finite_handles_none_indexed_slices_and_nan():
     assert bool(kmp.all_finite([]))
     flags = ls.finite_flags([tf.ones(1), None, tf.constant([np.inf])])
     assert flags.numpy().tolist() == [True, True, False]  # None counts as finite
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_one_bad_value_anywhere_makes_a_tensor_non_finite(dtype, bad):
+    values = np.linspace(-3.0, 3.0, 1000)
+    values[617] = bad
+    flags = ls.finite_flags([tf.constant(values, dtype), tf.ones(3, dtype)])
+    assert flags.numpy().tolist() == [False, True]
+    # inf and -inf together (their sum is NaN) are caught too.
+    both = np.array([np.inf, 1.0, -np.inf])
+    assert not bool(ls.finite_flags([tf.constant(both, dtype)])[0])
+
+
+def test_16_bit_values_whose_sum_overflows_are_still_finite():
+    # Each value is finite in float16, their float16 sum is not (65504 max):
+    # 16-bit tensors are checked value by value, not through their sum.
+    large = tf.constant([60000.0] * 4, "float16")
+    assert bool(ls.finite_flags([large])[0])
+    # float32 is checked through its sum: finite values near float32's
+    # largest whose sum overflows count as non-finite (as documented).
+    huge = tf.constant([3e38, 3e38], "float32")
+    assert not bool(ls.finite_flags([huge])[0])
