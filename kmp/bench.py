@@ -292,6 +292,11 @@ def run(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1. Received: {name}={value}.")
+    if keras_budget_s is not None and not keras_budget_s > 0:
+        raise ValueError(
+            "keras_budget_s must be a positive number of seconds, or None for "
+            f"no limit. Received: keras_budget_s={keras_budget_s}."
+        )
     variants = [(p, False) for p in policies]
     if compare_keras:
         variants += [(p, True) for p in policies]

@@ -20,13 +20,16 @@ the whole training step with XLA, update included, when every layer
 supports it, while on a CPU-only machine it turns XLA off.
 
 Fusing pays only when the update is large: an XLA program costs a fixed
-~0.1-0.3 ms per call and a compilation of ~0.3-2 s at the first step, and
-saves time in proportion to the weights it updates. Measured for Adam on a
-CPU (benchmarks/RESULTS.md, "When fusing pays"): equal or slightly slower
-below ~300 K float32 weights, 2x faster from 1 M, 3x at 10 M. So the
-default fuses an update of at least `MIN_WEIGHTS` (1 M) weights, counted
-from the variables it updates: the decision depends on the model and the
-machine only, never on a timing, and is the same on every run.
+~0.1-0.5 ms per call and a compilation of ~0.2-1.5 s at the first step,
+and saves time in proportion to the weights it updates. Measured for Adam
+inside kmp's optimizer on a CPU (benchmarks/RESULTS.md, "When fusing
+pays"): slower below ~100 K float32 weights, 0.1-0.6 ms faster at 300 K,
+2x faster from 1 M. In a whole training step, though, fusing a small CNN's
+0.3 M-weight update made the step slower, by more than the update takes
+(same section): so the default fuses an update of at least `MIN_WEIGHTS`
+(1 M) weights, counted from the variables it updates, where the whole step
+was measured faster. The decision depends on the model and the machine
+only, never on a timing, and is the same on every run.
 
 A sparse gradient (`tf.IndexedSlices`, an `Embedding`'s) is made dense
 before it enters the XLA program: XLA compiles one program per input

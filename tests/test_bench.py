@@ -163,6 +163,7 @@ def test_bench_table_is_printed(capsys, monkeypatch):
         ({"model": "resnet1000"}, "Unknown model"),
         ({"policies": ("float32", "fp8")}, "Unknown policy 'fp8'"),
         ({"steps": 0}, "steps must be >= 1"),
+        ({"keras_budget_s": -5.0}, "keras_budget_s must be a positive number"),
     ],
 )
 def test_bench_rejects_bad_arguments_before_starting_anything(kwargs, message):
