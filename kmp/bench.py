@@ -175,7 +175,8 @@ def run_one(
     policy and `model.compile` (which wraps the optimizer in Keras's own
     loss-scale optimizer under mixed_float16), for comparison. With
     `budget_s`, the run stops once its steps have taken that long (two
-    steps at least), and its figure comes from the steps after the first.
+    steps at least), and its figure comes from the steps after the warm-up
+    (after the first when it stopped at two).
     `imports` are modules imported first (those that register a saved
     model's own layer classes)."""
     import importlib

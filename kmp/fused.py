@@ -24,7 +24,8 @@ Fusing pays only when the update is large: an XLA program costs a fixed
 and saves time in proportion to the weights it updates. Measured for Adam
 inside kmp's optimizer on a CPU (benchmarks/RESULTS.md, "When fusing
 pays"): slower below ~100 K float32 weights, 0.1-0.6 ms faster at 300 K,
-2x faster from 1 M. In a whole training step, though, fusing a small CNN's
+up to 2.4x faster from 1 M (less when the weights are spread over many
+variables). In a whole training step, though, fusing a small CNN's
 0.3 M-weight update made the step slower, by more than the update takes
 (same section): so the default fuses an update of at least `MIN_WEIGHTS`
 (1 M) weights, counted from the variables it updates, where the whole step
@@ -35,8 +36,10 @@ A sparse gradient (`tf.IndexedSlices`, an `Embedding`'s) is made dense
 before it enters the XLA program: XLA compiles one program per input
 shape, and a sparse gradient's shape follows the batch (a last, smaller
 batch or a new sequence length would compile the whole update again,
-~1 s each). Keras's own update makes it dense as well (Adam's first
-subtraction does), so the numbers are the same.
+~1 s each). The numbers are the same: Keras's Adam (and the other updates
+that subtract or square the gradient) makes it dense as well; plain SGD
+without momentum would have written only the batch's rows, so for it the
+fused update passes over the whole table.
 
 `kmp.LossScaleOptimizer(fused_update=...)` decides, under any policy:
 `None` (the default) fuses the Keras optimizers in `TESTED` (each tested to
@@ -124,14 +127,16 @@ def is_tested(optimizer: Any) -> bool:
     return type(optimizer) in TESTED
 
 
-def weights_of(variables: Any) -> int:
-    """The number of weights in `variables` (the sum of their sizes)."""
+def weights_of(variables: Any) -> int | None:
+    """The number of weights in `variables` (the sum of their sizes), or
+    None when a shape is not fully known (such an update is not fused by
+    default: XLA needs static shapes)."""
     total = 0
     for variable in variables:
-        size = 1
-        for dim in variable.shape:
-            size *= int(dim)
-        total += size
+        shape = tf.TensorShape(variable.shape)
+        if not shape.is_fully_defined():
+            return None
+        total += shape.num_elements()
     return total
 
 
@@ -189,7 +194,7 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
         default_for_machine()
         and not _op_determinism_enabled()
         and (optimizer is None or is_tested(optimizer))
-        and (variables is None or weights_of(variables) >= MIN_WEIGHTS)
+        and (variables is None or (weights_of(variables) or 0) >= MIN_WEIGHTS)
     )
 
 

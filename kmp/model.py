@@ -47,7 +47,8 @@ def compile(
         *args: Positional arguments of `model.compile`.
         fused_update: `None` (default) fuses the optimizer update where that
             helps (`kmp.fused`: Keras's optimizer classes, updates of at
-            least `kmp.fused.MIN_WEIGHTS` weights, machines without GPUs);
+            least `kmp.fused.MIN_WEIGHTS` weights, machines without GPUs or
+            TPUs);
             `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
         **kwargs: Keyword arguments of `model.compile`.

@@ -189,3 +189,32 @@ def test_gpu_script_refuses_clearly_without_a_gpu(tmp_path):
     )
     assert result.returncode == 3
     assert "needs TensorFlow with a visible GPU" in result.stderr
+
+
+def test_a_ratio_against_a_stopped_plain_keras_run_is_marked_as_a_bound(
+    capsys, monkeypatch
+):
+    fake = [
+        bench.BenchResult(
+            "mixed_float16", 50.0, 1.0, 1280.0, 900.0, None, 0.5, 0, (50.0,), 300.0
+        ),
+        bench.BenchResult(
+            "keras:mixed_float16",
+            15000.0,
+            None,
+            4.3,
+            900.0,
+            None,
+            0.6,
+            None,
+            (15000.0,),
+            None,
+            True,
+        ),
+    ]
+    monkeypatch.setattr(bench, "run", lambda **kwargs: fake)
+    assert cli.main(["bench", "--keras", "--policies", "mixed_float16"]) == 0
+    out = capsys.readouterr().out
+    assert ">=300.00" in out
+    assert "15000.0 (stopped early)" in out
+    assert "stopped early: the run reached --keras-budget (120 s)" in out

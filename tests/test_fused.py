@@ -455,3 +455,15 @@ def test_op_determinism_keeps_the_default_unfused(monkeypatch):
     monkeypatch.setattr(fused, "_op_determinism_enabled", lambda: True)
     assert not fused.resolve(None)
     assert fused.resolve(True)
+
+
+def test_a_variable_of_unknown_shape_is_updated_unfused_by_default(monkeypatch):
+    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
+    monkeypatch.setattr(fused, "MIN_WEIGHTS", 1)
+    variable = tf.Variable(np.ones((2, 4), "float32"), shape=tf.TensorShape([None, 4]))
+    assert fused.weights_of([variable]) is None
+    assert not fused.resolve(None, "sgd", [variable])  # XLA needs static shapes
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), mode="none")
+    opt.apply([tf.ones((2, 4))], [variable])
+    np.testing.assert_allclose(variable.numpy(), np.full((2, 4), 0.5))
+    assert not opt._fused_apply._functions
