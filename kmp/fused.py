@@ -226,10 +226,10 @@ class FusedApply:
             function = tf.function(update, jit_compile=True, reduce_retracing=True)
             self._functions[key] = function
         shapes = [None] * len(grads) if variables is None else variables
-        function([dense_gradient(g, v) for g, v in zip(grads, shapes, strict=True)])
+        function([_dense_gradient(g, v) for g, v in zip(grads, shapes, strict=True)])
 
 
-def dense_gradient(gradient: Any, variable: Any = None) -> Any:
+def _dense_gradient(gradient: Any, variable: Any = None) -> Any:
     """A sparse gradient (`tf.IndexedSlices`) as the dense tensor Keras's
     own optimizers turn it into (rows summed per index), of `variable`'s
     static shape when given; any other gradient as it is."""
