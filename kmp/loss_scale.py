@@ -310,10 +310,17 @@ def _finite(x: Any):
 
 
 def _values(t: Any):
-    """The values a gradient applies: for sparse gradients (IndexedSlices,
-    e.g. an Embedding's), the rows summed per index, as the update sums them:
-    each value may be finite while a repeated token's sum overflows."""
+    """The values to check of a gradient. For a 16-bit sparse gradient
+    (IndexedSlices, e.g. an Embedding's), the rows summed per index, as the
+    update sums them: each value may be finite while a repeated token's sum
+    overflows. A float32/64 sparse gradient's rows as they are: `_finite`
+    checks them through their total, one pass instead of finding the unique
+    indices; any inf/NaN row makes it non-finite, and the only per-index
+    overflow it can miss needs values near float32's limit (~1e38) that
+    cancel across indices."""
     if isinstance(t, tf.IndexedSlices):
+        if t.values.dtype in (tf.float32, tf.float64):
+            return t.values
         unique, position = tf.unique(t.indices)
         return tf.math.unsorted_segment_sum(t.values, position, tf.shape(unique)[0])
     return t
@@ -323,7 +330,8 @@ def finite_flags(tensors: Iterable[Any]):
     """A bool vector, one entry per tensor: whether all its values are finite.
 
     `None` (no gradient) counts as finite, so entries line up with variables.
-    A sparse gradient counts as finite when its rows summed per index are.
+    A sparse gradient counts as finite when its rows summed per index are
+    (16-bit rows are summed per index; float32 rows through one sum, below).
 
     A float32 or float64 tensor is checked through its sum, which is
     non-finite when any value is (inf and NaN propagate through addition):
