@@ -1,8 +1,10 @@
 """Code in the style of TensorFlow's mixed-precision guide (tf.keras 2),
-running on kmp: only the imports changed.
+running on kmp: only the import line changed, to `from kmp import
+mixed_precision` (tf.keras 2's names, mapped onto kmp).
 
 The guide's custom training loop uses `optimizer.get_scaled_loss(loss)` and
-`optimizer.get_unscaled_gradients(grads)`; kmp's LossScaleOptimizer has both.
+`optimizer.get_unscaled_gradients(grads)`; the optimizer built by
+`mixed_precision.LossScaleOptimizer` is a `kmp.LossScaleOptimizer`.
 
 Run: python examples/migrate_from_tf_keras.py
 """
@@ -11,10 +13,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import kmp
+from kmp import mixed_precision  # was: from tensorflow.keras import mixed_precision
 
-# tf.keras 2:  mixed_precision.set_global_policy('mixed_float16')
-kmp.set_policy("mixed_float16")
+mixed_precision.set_global_policy("mixed_float16")
 
 inputs = keras.Input(shape=(784,), name="digits")
 x = keras.layers.Dense(256, activation="relu", name="dense_1")(inputs)
@@ -24,8 +25,8 @@ x = keras.layers.Dense(10, name="dense_logits")(x)
 outputs = keras.layers.Activation("softmax", dtype="float32", name="predictions")(x)
 model = keras.Model(inputs=inputs, outputs=outputs)
 
-# tf.keras 2:  optimizer = mixed_precision.LossScaleOptimizer(optimizer)
-optimizer = kmp.LossScaleOptimizer(keras.optimizers.RMSprop())
+optimizer = keras.optimizers.RMSprop()
+optimizer = mixed_precision.LossScaleOptimizer(optimizer)
 loss_object = keras.losses.SparseCategoricalCrossentropy()
 
 # Stand-in data with the guide's shapes: 784 features, 10 classes, each

@@ -6,10 +6,12 @@
 """
 
 from kmp import callbacks
+from kmp import compiled_by
 from kmp import debug
 from kmp import distribute
 from kmp import fused
 from kmp import hardware
+from kmp import mixed_precision
 from kmp import quantization
 from kmp import rules
 from kmp import telemetry
@@ -54,6 +56,7 @@ __all__ = [
     "callbacks",
     "clear_layer_policies",
     "compile",
+    "compiled_by",
     "debug",
     "distribute",
     "doctor",
@@ -62,6 +65,7 @@ __all__ = [
     "hardware",
     "layer_rules",
     "list_policies",
+    "mixed_precision",
     "policy_scope",
     "precision_report",
     "prepare",

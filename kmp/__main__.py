@@ -2,6 +2,6 @@
 
 import sys
 
-from kmp.cli import main
+from kmp_cli import main
 
 sys.exit(main())

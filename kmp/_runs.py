@@ -68,4 +68,9 @@ def _child(module: str, name: str, args: str) -> None:
     print(json.dumps(function(*json.loads(args))))
 
 
-_CHILD = "import sys, kmp._runs as r; r._child(*sys.argv[1:])"
+# The child starts TensorFlow without its C++ start-up notices (kmp_cli.quiet)
+# before anything imports it.
+_CHILD = (
+    "import sys, kmp_cli; kmp_cli.start_tensorflow(); "
+    "import kmp._runs as r; r._child(*sys.argv[1:])"
+)

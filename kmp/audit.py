@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp import compiled_by
 from kmp import kinds
 from kmp import planning
 from kmp import policy as policy_lib
@@ -122,6 +123,7 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
             "precision_audit() expects a Keras model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    compiled_by.note_compiled_without_kmp(model, "kmp.debug.precision_audit")
     target = None if policy is None else policy_lib.get(policy)
     the_plan = planning.plan(model, policy=target)
     risks: list[Risk] = []

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kmp import compiled_by
 from kmp import debug
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
@@ -183,14 +184,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         opt = self._optimizer()
         kmp_opt = isinstance(opt, optimizer_lib.LossScaleOptimizer)
         if not self._warned:
-            if not kmp_opt and telemetry.loss_scale_of(opt) is None:
-                logger.warning(
-                    "kmp.callbacks.LossScaleMonitor: the model's optimizer (%s) "
-                    "neither scales the loss nor skips non-finite steps; logging "
-                    "the loss only. kmp.compile gives it kmp's.",
-                    type(opt).__name__,
-                )
-            elif kmp_opt and opt.mode == "none":
+            # A model compiled without kmp is named once (what it trains with
+            # and the fix); the monitor then logs what that optimizer has.
+            compiled_by.note_compiled_without_kmp(
+                self.model, "kmp.callbacks.LossScaleMonitor"
+            )
+            if kmp_opt and opt.mode == "none":
                 logger.info(
                     "kmp.callbacks.LossScaleMonitor: no loss scaling (mode "
                     "'none'); logging the loss and the skipped steps."

@@ -1,13 +1,20 @@
-"""The `kmp` command line. The only module that prints."""
+"""The `kmp` command line's commands. The only module that prints.
+
+Its parser and entry point are in `kmp_cli`, which needs no TensorFlow (so
+that `kmp --help` answers at once); `build_parser` and `main` here are the
+same functions.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 from kmp._table import format_table
-from kmp.version import __version__
+from kmp_cli.command_line import build_parser
+from kmp_cli.command_line import main
+
+__all__ = ["build_parser", "main", "run"]
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
@@ -140,6 +147,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epochs(n: int) -> str:
+    return f"{n} epoch" if n == 1 else f"{n} epochs"
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -192,7 +203,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     print(
         f"\nkmp demo: a {args.model} on scikit-learn's handwritten digits "
-        f"(1,797 8x8 images; 20% held out), {args.epochs} epochs per policy\n"
+        f"(1,797 8x8 images; 20% held out), {_epochs(args.epochs)} per policy\n"
     )
     print(
         format_table(
@@ -218,7 +229,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 1
     if not converged:
         print(
-            f"{args.epochs} epochs: the models have not converged yet, so the "
+            f"{_epochs(args.epochs)}: the models have not converged yet, so the "
             f"1-point accuracy check needs --epochs {demo.CONVERGED_EPOCHS} or more."
         )
         return 0
@@ -235,97 +246,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kmp",
-        description="Mixed-precision training for Keras 3 on TensorFlow.",
-    )
-    parser.add_argument("--version", action="version", version=f"kmp {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser(
-        "policies", help="list the precision policies and what 'auto' picks"
-    )
-    p.set_defaults(func=_cmd_policies)
-    p = sub.add_parser(
-        "doctor", help="what this machine supports and which policy to use"
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_doctor)
-    p = sub.add_parser(
-        "bench", help="the same model under several policies, side by side"
-    )
-    p.add_argument(
-        "--model", default="mlp", help="mlp, cnn, transformer, or a .keras file"
-    )
-    p.add_argument("--policies", default="float32,mixed_bfloat16,mixed_float16")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="fresh-process runs per policy, order alternating",
-    )
-    p.add_argument(
-        "--keras",
-        action="store_true",
-        help="also run each policy with plain Keras, for comparison",
-    )
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE in each run first: the module that registers a "
-        ".keras file's own layer classes (repeatable)",
-    )
-    p.add_argument(
-        "--keras-budget",
-        type=float,
-        default=120.0,
-        metavar="SECONDS",
-        help="stop a plain-Keras run after this long (0: no limit; default "
-        "%(default)g): its float16 takes minutes per step on some CPUs",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write a PNG")
-    p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser(
-        "demo", help="train on a real dataset under float32 and kmp's policy"
-    )
-    p.add_argument(
-        "--model",
-        choices=("mlp", "cnn", "transformer"),
-        default="mlp",
-        help="mlp (default: its step is mostly matmuls, so a 16-bit speed-up "
-        "shows), or the small cnn or transformer",
-    )
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--plot", default="kmp-demo.png", metavar="PATH.png")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_demo)
-    return parser
+_COMMANDS = {
+    "policies": _cmd_policies,
+    "doctor": _cmd_doctor,
+    "bench": _cmd_bench,
+    "demo": _cmd_demo,
+}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the `kmp` command line; returns the exit status."""
-    import subprocess
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return args.func(args)
-    except (ValueError, ImportError, RuntimeError) as e:
-        print(f"kmp {args.command}: {e}", file=sys.stderr)
-        return 2
-    except subprocess.TimeoutExpired as e:
-        print(
-            f"kmp {args.command}: a run took longer than {e.timeout:g}s and was "
-            "stopped; use fewer --steps or a smaller --batch-size.",
-            file=sys.stderr,
-        )
-        return 2
+def run(args: argparse.Namespace) -> int:
+    """Runs the command `kmp_cli.build_parser()` parsed into `args`."""
+    return _COMMANDS[args.command](args)

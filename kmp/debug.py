@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kmp import compiled_by
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
 from kmp import telemetry
@@ -75,9 +76,10 @@ def _kmp_optimizer(model: keras.Model) -> optimizer_lib.LossScaleOptimizer:
     if opt is None:
         raise ValueError(
             "Overflow attribution needs the model compiled with a "
-            "kmp.LossScaleOptimizer (kmp.compile does that under float16). "
-            "Received a model whose optimizer is "
-            f"{type(getattr(model, 'optimizer', None)).__name__}."
+            "kmp.LossScaleOptimizer (kmp.compile does that under every policy; "
+            "Keras's model.compile does not). Received a model whose optimizer "
+            f"is {type(getattr(model, 'optimizer', None)).__name__}: compile it "
+            "with kmp.compile(model, ...), which takes model.compile's arguments."
         )
     return opt
 
@@ -337,6 +339,7 @@ def find_nonfinite(
             "find_nonfinite() expects a Keras model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    compiled_by.note_compiled_without_kmp(model, "kmp.debug.find_nonfinite")
     if not _finite(_max_abs(x)):
         return NonFiniteReport.at(
             LayerCheck("<input>", "input batch", "", _max_abs(x), _max_abs(x)),

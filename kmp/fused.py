@@ -7,30 +7,29 @@ ops (Adam: about a dozen passes over the weights, the moments and the
 gradients); on a CPU those passes are memory-bound, and for a 3 x Dense(2048)
 MLP under bfloat16 they were about a quarter of the step. Running
 the same `apply` under `tf.function(jit_compile=True)` lets XLA fuse the
-passes into a few loops over the data: the same formulas, 3x faster here for
-Adam (benchmarks/RESULTS.md). This is the job NVIDIA Apex's FusedAdam does
+passes into a few loops over the data: the same formulas, about 3x faster
+for Adam on a CPU. This is the job NVIDIA Apex's FusedAdam does
 for PyTorch AMP, done for Keras optimizers through TensorFlow's public API.
 
 Only the update is compiled, not the model: compiling the whole bfloat16
 step with XLA (`jit_compile=True`) loses oneDNN's bfloat16 matmuls: it ran
-1.7x slower than fusing only the update here (benchmarks/RESULTS.md).
-That is also why kmp fuses by default only on machines without GPUs or
-TPUs: on a GPU machine Keras's `jit_compile="auto"` (the default) compiles
-the whole training step with XLA, update included, when every layer
-supports it, while on a CPU-only machine it turns XLA off.
+1.7x slower than fusing only the update on an Intel Xeon with AMX. That is
+also why kmp fuses by default only on machines without GPUs or TPUs: on a
+GPU machine Keras's `jit_compile="auto"` (the default) compiles the whole
+training step with XLA, update included, when every layer supports it,
+while on a CPU-only machine it turns XLA off.
 
 Fusing pays only when the update is large: an XLA program costs a fixed
-~0.1-0.5 ms per call and a compilation of ~0.2-1.5 s at the first step,
-and saves time in proportion to the weights it updates. Measured for Adam
-inside kmp's optimizer on a CPU (benchmarks/RESULTS.md, "When fusing
-pays"): slower below ~100 K float32 weights, 0.1-0.6 ms faster at 300 K,
-up to 2.4x faster from 1 M (less when the weights are spread over many
-variables). In a whole training step, though, fusing a small CNN's
-0.3 M-weight update made the step slower, by more than the update takes
-(same section): so the default fuses an update of at least `MIN_WEIGHTS`
-(1 M) weights, counted from the variables it updates, where the whole step
-was measured faster. The decision depends on the model and the machine
-only, never on a timing, and is the same on every run.
+~0.1-0.5 ms per call and a compilation of ~0.2-1.5 s at the first step, and
+saves time in proportion to the weights it updates. Measured for Adam
+inside kmp's optimizer on a CPU: slower below ~100 K float32 weights,
+0.1-0.6 ms faster at 300 K, up to 2.4x faster from 1 M (less when the
+weights are spread over many variables). In a whole training step, though,
+fusing a small CNN's 0.3 M-weight update made the step slower, by more than
+the update takes on the same CPU: so the default fuses an update of at
+least `MIN_WEIGHTS` (1 M) weights, counted from the variables it updates,
+where the whole step was measured faster. The decision depends on the model
+and the machine only, never on a timing, and is the same on every run.
 
 A sparse gradient (`tf.IndexedSlices`, an `Embedding`'s) is made dense
 before it enters the XLA program: XLA compiles one program per input

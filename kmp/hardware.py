@@ -361,9 +361,9 @@ def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
         if not caps.cpu.native_float16:
             warnings.append(
                 "This CPU has no native float16 math (AVX512-FP16/AMX-FP16): "
-                "expect 'mixed_float16' to train slower than float32 (figures "
-                "in benchmarks/RESULTS.md). Use 'mixed_bfloat16' if the CPU has "
-                "bfloat16 math, else 'float32'."
+                "expect 'mixed_float16' to train slower than float32 "
+                "(`kmp bench` measures it here). Use 'mixed_bfloat16' if the CPU "
+                "has bfloat16 math, else 'float32'."
             )
     for gpu in caps.gpus:
         if gpu.float16_tensor_cores and not gpu.bfloat16_tensor_cores:

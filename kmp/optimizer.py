@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmp import accumulation as accumulation_lib
+from kmp import applied_loss as applied_loss_lib
 from kmp import distribute
 from kmp import fused
 from kmp import loss_scale as ls
@@ -225,6 +226,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # What the last step context left for apply, at run time: a control
         # value, not state (never saved; see kmp.unscaling).
         self._make_variable("pending_gradients", "int32", unscaling.PENDING_NONE)
+        # The losses of the applied steps, for fit's `loss` (kmp.applied_loss);
+        # its variables come last in build.
+        object.__setattr__(self, "_applied_loss", applied_loss_lib.AppliedLoss())
 
     def __repr__(self) -> str:
         inner = type(self.inner_optimizer).__name__
@@ -293,6 +297,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._accumulation.build(var_list, self._state_variable, like)
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
+        self._applied_loss.build(self._make_variable)
 
     @property
     def loss_scale(self) -> keras.Variable:
@@ -323,6 +328,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def good_steps(self) -> keras.Variable:
         """Finite steps since the scale last changed."""
         return self._scale.state.good_steps
+
+    @property
+    def dynamic(self) -> bool:
+        """tf.keras 2's name: whether the scale moves (mode `'dynamic'`)."""
+        return self.config.mode == ls.DYNAMIC
+
+    @property
+    def dynamic_counter(self) -> keras.Variable | None:
+        """tf.keras 2's name for `good_steps` (`None` unless `dynamic`)."""
+        return self.good_steps if self.dynamic else None
 
     @property
     def hysteresis_left(self) -> keras.Variable:
@@ -357,6 +372,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         skipped step's gradient held inf/NaN. See `kmp.debug.last_overflow`."""
         return self._overflow.flags
 
+    @property
+    def applied_loss(self) -> applied_loss_lib.AppliedLoss:
+        """The losses of the steps applied since telemetry's last epoch start
+        (`kmp.applied_loss`)."""
+        return self._applied_loss
+
     def took_step(self) -> bool:
         """Whether this optimizer applied a step in the current step context
         (the graph being traced, or eagerly) since the last call: a training
@@ -385,6 +406,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _check_loss(loss, self.mode)
         self._ledger.scaled_loss()
         self.record_loss(loss)
+        self._applied_loss.record(loss)
         self._pending_gradients.assign(unscaling.PENDING_SCALED_LOSS)
         return self._scale.scale(loss)
 
@@ -498,6 +520,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 on_skip=self._overflow.record,
                 record=by_variable,
             )
+        # A micro-batch's gradients are taken when finite, as a step's are.
+        self._applied_loss.settle(finite)
         self._ledger.applied()
         return applied
 
@@ -665,7 +689,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
     def _load_by_position(self, store) -> None:
-        variables = self.variables
+        # Files saved by position predate the applied-loss variables.
+        later = {id(v) for v in self._applied_loss.variables()}
+        variables = [v for v in self.variables if id(v) not in later]
         if len(store.keys()) != len(variables):
             warnings.warn(
                 f"kmp.LossScaleOptimizer {self.name!r}: the file holds "

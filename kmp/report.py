@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import keras
 
+from kmp import compiled_by
 from kmp import model as model_lib
 from kmp import planning
 from kmp import policy as policy_lib
@@ -194,6 +195,7 @@ def precision_report(
             "precision_report() expects a Keras model or layer. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    compiled_by.note_compiled_without_kmp(model, "kmp.precision_report")
     the_plan = planning.plan(model)
     traced = tracing.trace(model) if trace else None
     rows = []

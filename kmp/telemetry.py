@@ -16,6 +16,12 @@ What it reads, per optimizer:
 * Keras's own `keras.optimizers.LossScaleOptimizer`: `loss_scale` (Keras
   counts no skipped steps).
 
+Where a step skipped by a single `kmp.LossScaleOptimizer` had an inf/NaN
+loss, which makes Keras's mean over every step NaN for the rest of the
+epoch, `loss` is the mean loss of the steps it applied (`kmp.applied_loss`);
+`skipped_steps` beside it counts what was left out. Everywhere else, and on
+several replicas, `loss` is Keras's own.
+
 A model compiled with several optimizers (`kmp.compile(gan,
 d_optimizer=..., g_optimizer=...)`) logs each under its argument's name:
 `d_optimizer_loss_scale`, ...
@@ -107,6 +113,31 @@ class LossScaleTelemetry(keras.metrics.Metric):
         for label, opt in self._optimizers().items():
             if isinstance(opt, optimizer_lib.LossScaleOptimizer):
                 self._start_variable(label).assign(opt.skipped_steps_total)
+                opt.applied_loss.reset()
+
+    def _loss_of_applied_steps(self, opt, skipped):
+        """Keras's `loss`, or where a skipped step made it inf/NaN the mean
+        loss of the applied steps (kmp.applied_loss); None where kmp leaves
+        `loss` alone (several optimizers, several replicas, no loss tracker)."""
+        model = self._model_ref()
+        if model is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            return None
+        trackers = [
+            m
+            for m in model.metrics
+            if m is not self and m.name == "loss" and isinstance(m, keras.metrics.Mean)
+        ]
+        if len(trackers) != 1:
+            return None
+        applied = opt.applied_loss
+        if not applied.built:
+            return None
+        keras_loss = tf.cast(trackers[0].result(), tf.float32)
+        replace = tf.logical_and(
+            tf.logical_and(skipped > 0, applied.steps > 0),
+            tf.logical_not(tf.math.is_finite(keras_loss)),
+        )
+        return tf.where(replace, applied.mean(), keras_loss)
 
     def result(self):
         optimizers = self._optimizers()
@@ -126,6 +157,10 @@ class LossScaleTelemetry(keras.metrics.Metric):
                 start = tf.convert_to_tensor(self._start_variable(label))
                 logs[f"{prefix}skipped_steps"] = total - start
                 logs[f"{prefix}skipped_steps_total"] = total
+                if len(optimizers) == 1:
+                    loss = self._loss_of_applied_steps(opt, total - start)
+                    if loss is not None:
+                        logs["loss"] = loss  # replaces Keras's (same name)
             elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
                 scale = loss_scale_of(opt)
                 if scale is not None and _assigned_here(scale):

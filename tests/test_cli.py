@@ -1,10 +1,34 @@
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import kmp
+import kmp_cli
 from kmp import cli
+from kmp_cli import quiet
+
+# A line of TensorFlow's C++ logging (absl's prefix), or absl's own notice.
+ABSL_LINE = re.compile(
+    r"^([IWEF]\d{4} \d+:\d+:\S+\s+\d+ \S+:\d+\]|WARNING: All log)", re.M
+)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python, with TensorFlow's log level left unset (as a
+    user's shell has it) unless given."""
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    environ.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environ,
+        check=False,
+    )
 
 
 def test_policies_command_prints_the_table_and_the_auto_choice(capsys):
@@ -35,3 +59,87 @@ def test_python_dash_m_kmp_reports_the_version():
         check=True,
     )
     assert result.stdout.strip() == f"kmp {kmp.__version__}"
+
+
+def test_help_and_version_answer_without_importing_tensorflow():
+    result = run_python(
+        "import sys\n"
+        "from kmp_cli import main\n"
+        "for argv in (['--help'], ['bench', '--help'], ['demo', '--help'], "
+        "['--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (argv, e.code)\n"
+        "print(sorted(m for m in ('tensorflow', 'keras', 'kmp') if m in sys.modules))"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "[]"  # none of them imported
+    assert f"kmp {kmp.__version__}" in lines
+
+
+def test_bench_help_shows_each_default_and_what_policies_takes(capsys):
+    with pytest.raises(SystemExit):
+        kmp_cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--policies POLICIES comma-separated policy names" in out
+    assert "(default: float32,mixed_bfloat16,mixed_float16)" in out
+    assert "(default: 20)" in out and "(default: 64)" in out
+    assert "(default: 120.0)" in out and "(default: mlp)" in out
+    assert "(default: False)" not in out  # flags have no default to show
+
+
+def test_commands_print_no_tensorflow_start_up_lines():
+    # Unfiltered, TensorFlow prints its oneDNN, CUDA-driver and CPU-instruction
+    # notices at start-up (and on machines without a driver a cuInit
+    # "error"); test_start_up_filter_keeps_... holds such lines verbatim.
+    result = run_python(
+        "from kmp_cli import main\n"
+        "assert main(['policies']) == 0\n"
+        "assert main(['doctor']) == 0"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "'auto' on this machine:" in result.stdout and "kmp doctor" in result.stdout
+    assert not ABSL_LINE.search(result.stderr + result.stdout), result.stderr
+    assert "cuInit" not in result.stderr
+
+
+def test_start_up_filter_keeps_what_is_not_a_start_up_notice():
+    lines = [
+        "WARNING: All log messages before absl::InitializeLog() is called are "
+        "written to STDERR",
+        "I0000 00:00:1796147400.017713   23938 port.cc:153] oneDNN custom "
+        "operations are on. You may see slightly different numerical results",
+        "I0000 00:00:1796147400.018189   23938 cudart_stub.cc:31] Could not find "
+        "cuda drivers on your machine, GPU will not be used.",
+        "E0000 00:00:1796146775.085241   22116 cuda_platform.cc:52] failed call to "
+        "cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+        "W0000 00:00:1796146775.1   22116 bfc_allocator.cc:1] Allocator ran out "
+        "of memory",
+        "Traceback (most recent call last):",
+    ]
+    assert quiet.kept_lines(lines, nvidia_driver=False) == lines[4:]
+    # With an NVIDIA driver loaded, a failing cuInit is a real error: kept.
+    assert quiet.kept_lines(lines, nvidia_driver=True) == lines[3:]
+
+
+def test_start_up_filter_writes_back_what_it_keeps_when_the_block_raises(capfd):
+    with pytest.raises(ImportError), quiet.startup_notices_filtered():
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() is "
+                 b"called are written to STDERR\nreal trouble\n")  # fmt: skip
+        raise ImportError("no tensorflow")
+    assert capfd.readouterr().err == "real trouble\n"
+
+
+def test_a_fatal_message_during_start_up_still_shows_when_the_process_aborts():
+    result = run_python(
+        "import os\n"
+        "from kmp_cli import quiet\n"
+        "with quiet.startup_notices_filtered():\n"
+        "    os.write(2, b'oneDNN is not a notice without its prefix\\n')\n"
+        "    os.write(2, b'F0000 00:00:1.5  7 cpu_feature_guard.cc:1] needs AVX\\n')\n"
+        "    os.abort()\n"
+    )
+    assert result.returncode != 0  # aborted
+    assert "needs AVX" in result.stderr and "oneDNN is not" in result.stderr

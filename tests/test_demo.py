@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_demo_trains_each_policy_to_float32_accuracy(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_table_with_the_transformer(capsys, tmp_path):
+def test_demo_table_with_the_transformer(capfd, tmp_path):
     code = cli.main(
         [
             "demo",
@@ -40,8 +41,12 @@ def test_demo_table_with_the_transformer(capsys, tmp_path):
             str(tmp_path / "t.png"),
         ]
     )
-    out = capsys.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
     assert code == 0
+    # Its runs' processes print no TensorFlow start-up lines (absl's prefix).
+    assert not re.search(r"^[IWEF]\d{4} \d+:|absl::InitializeLog", captured.err, re.M)
+    assert "epoch 2/2" in captured.err  # their progress still shows
     assert "have not converged yet" in out  # 2 epochs: no 1-point claim
     # One line says what a speed-up comes from on this machine.
     assert f"\n{hardware.fast_path(hardware.capabilities())}\n" in out

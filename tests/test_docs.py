@@ -28,10 +28,16 @@ SHELL_BLOCKS = re.findall(r"```sh\n(.*?)```", README, flags=re.DOTALL)
 
 def test_readme_shell_commands_exist():
     """Each command in the README's shell blocks is a real one: `make`
-    targets are in the Makefile, and `kmp ...` lines parse with the CLI."""
-    from kmp import cli
+    targets are in the Makefile, `kmp ...` lines parse with the CLI, and
+    `pip install` lines name extras the package has."""
+    import tomllib
+
+    import kmp_cli
 
     makefile = (ROOT / "Makefile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     commands = [
         line.split("#")[0].strip()
         for block in SHELL_BLOCKS
@@ -45,10 +51,14 @@ def test_readme_shell_commands_exist():
             assert re.search(rf"^{words[1]}:", makefile, re.M), command
         elif words[:3] == ["python", "-m", "kmp"]:
             continue  # the same entry point as `kmp`
+        elif words[0] == "pip":
+            assert words[1] in ("install", "wheel"), command
+            for named in re.findall(r"\[([\w,]+)\]", command):
+                assert set(named.split(",")) <= set(extras), command
         else:
             assert words[0] == "kmp", command
             if words[1:] != ["--version"]:
-                cli.build_parser().parse_args(words[1:])
+                kmp_cli.build_parser().parse_args(words[1:])
 
 
 def test_readme_has_python_blocks():
@@ -134,3 +144,22 @@ def test_qlora_example_fine_tunes_a_quantized_lora_llama_above_chance():
         assert float(after) > max(3 * float(chance), float(before)), (policy, mode)
         assert (scale != "none") == (resolved == "mixed_float16"), (policy, scale)
     assert "trainable of" in result.stdout and "bytes" in result.stdout
+
+
+def test_user_facing_text_has_no_internal_references():
+    """The README and kmp's own text (docstrings, messages, doctor's
+    warnings) travel with the installed package: no issue numbers, no
+    benchmarks/RESULTS.md (not installed), no "this project's" machine."""
+    texts = {"README.md": README}
+    for package in ("kmp", "kmp_cli"):
+        for path in (ROOT / package).rglob("*.py"):
+            texts[str(path.relative_to(ROOT))] = path.read_text()
+    internal = re.compile(
+        r"RESULTS\.md|\bissue #?\d+|(?<![\w/-])#\d{1,3}\b|this project's"
+    )
+    found = {
+        name: internal.findall(text)
+        for name, text in texts.items()
+        if internal.search(text)
+    }
+    assert not found

@@ -1,5 +1,6 @@
 import keras
 import numpy as np
+import pytest
 
 import kmp
 
@@ -127,3 +128,99 @@ def test_history_shows_the_scale_of_keras_own_wrapper():
     assert history.history["loss_scale"] == [float(model.optimizer.dynamic_scale)]
     assert "skipped_steps" not in history.history  # Keras counts none
     assert set(model.evaluate(x, y, verbose=0, return_dict=True)) == {"loss"}
+
+
+def overflowing_batches():
+    """8 batches of 8; batch 3 holds 1e30, which overflows float16."""
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 4)).astype("float32")
+    y = rng.random((64, 1)).astype("float32")
+    x[20] = 1e30
+    return x, y
+
+
+def small_regression():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
+
+
+def test_a_skipped_step_leaves_the_epochs_loss_finite_and_counted(capsys):
+    kmp.set_policy("mixed_float16")
+    x, y = overflowing_batches()
+    # Plain Keras: the skipped step's loss makes the epoch's loss NaN.
+    plain = small_regression()
+    plain.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    assert np.isnan(
+        plain.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"][0]
+    )
+
+    model = small_regression()
+    # Learning rate 0: the weights stay put, so each batch's loss is known.
+    kmp.compile(model, optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    history = model.fit(
+        x, y, batch_size=8, epochs=2, shuffle=False, verbose=2,
+        validation_data=(x[:8], y[:8]),
+    )  # fmt: skip
+    line = capsys.readouterr().out
+    applied = [
+        model.evaluate(x[i : i + 8], y[i : i + 8], verbose=0)
+        for i in range(0, 64, 8)
+        if i != 16
+    ]
+    assert history.history["skipped_steps"] == [1.0, 1.0]
+    # Each epoch's own applied steps (the count restarts at each epoch, and
+    # validation in between changes nothing).
+    assert history.history["loss"] == pytest.approx([np.mean(applied)] * 2, rel=1e-3)
+    assert np.isfinite(history.history["val_loss"]).all()
+    assert "loss: nan" not in line and "skipped_steps: 1" in line
+
+
+def test_an_epoch_without_skips_keeps_keras_own_loss():
+    kmp.set_policy("mixed_float16")
+    x, y = overflowing_batches()
+    x[20] = 0.5
+    model = small_regression()
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    history = model.fit(x[:60], y[:60], batch_size=8, shuffle=False, verbose=0)
+    assert history.history["skipped_steps"] == [0.0]
+    tracker = next(m for m in model.metrics if m.name == "loss")
+    # Bit-identical to Keras's mean (its last batch of 4 weighted by size).
+    assert history.history["loss"][0] == float(tracker.result())
+
+
+def test_a_step_skipped_for_its_gradients_alone_keeps_keras_own_loss():
+    # The scale's ceiling overflows float16 gradients while the loss is
+    # finite: Keras's mean stays finite, so it stays as it is.
+    kmp.set_policy("mixed_float16")
+    x, y = overflowing_batches()
+    x[20] = 0.5
+    model = small_regression()
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=2.0**24, max_scale=2.0**24
+    )
+    kmp.compile(model, optimizer=opt, loss="mse")
+    history = model.fit(x * 100, y * 1e4, batch_size=8, shuffle=False, verbose=0)
+    assert history.history["skipped_steps"][0] >= 1
+    tracker = next(m for m in model.metrics if m.name == "loss")
+    assert np.isfinite(float(tracker.result()))
+    assert history.history["loss"][0] == float(tracker.result())
+
+
+def test_the_applied_loss_variables_come_after_every_other_optimizer_variable():
+    # A tf.train.Checkpoint stores optimizer variables by position: the ones
+    # added for the applied loss must not move those before them.
+    kmp.set_policy("mixed_float16")
+    model = small_regression()
+    kmp.compile(model, optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    opt = model.optimizer
+    inner = {id(v) for v in opt.inner_optimizer.variables}
+    names = [v.name for v in opt.variables if id(v) not in inner]
+    assert len(names) > 4 and names[-4:] == [
+        "step_loss",
+        "step_loss_recorded",
+        "applied_loss_total",
+        "applied_loss_steps",
+    ]
