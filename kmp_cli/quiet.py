@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import BinaryIO
 from typing import TextIO
@@ -69,13 +68,6 @@ def is_startup_notice(line: str, nvidia_driver: bool) -> bool:
     if message.startswith(_NOTICES):
         return True
     return not nvidia_driver and message.startswith(_NO_DRIVER_NOTICES)
-
-
-def kept_lines(lines: Iterable[str], nvidia_driver: bool | None = None) -> list[str]:
-    """The lines of `lines` that are not start-up notices."""
-    if nvidia_driver is None:
-        nvidia_driver = _has_nvidia_driver()
-    return [line for line in lines if not is_startup_notice(line, nvidia_driver)]
 
 
 @contextlib.contextmanager
