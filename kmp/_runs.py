@@ -69,8 +69,8 @@ def _child(module: str, name: str, args: str) -> None:
 
 
 # The child starts TensorFlow without its C++ start-up notices (kmp_cli.quiet)
-# before anything imports it.
+# before anything imports it, and keeps them filtered until it exits.
 _CHILD = (
-    "import sys, kmp_cli; kmp_cli.start_tensorflow(); "
+    "import sys, kmp_cli; kmp_cli.start_tensorflow(for_life=True); "
     "import kmp._runs as r; r._child(*sys.argv[1:])"
 )

@@ -4,16 +4,19 @@ Importing TensorFlow prints notices from its C++ runtime on standard error
 before any setting can silence them (`TF_CPP_MIN_LOG_LEVEL` does not reach
 them): that oneDNN is on, that no CUDA driver was found, which CPU
 instructions the binary could use, and on a machine without an NVIDIA
-driver `E0000 ... failed call to cuInit: ... CUDA error`, which reads like a
+GPU `E0000 ... failed call to cuInit: ... CUDA error`, which reads like a
 failure although nothing failed. `start_tensorflow` imports TensorFlow and
 Keras and lists the devices (when the runtime starts) with standard error
 passed through a filter that writes back every line that is not one of
-those notices: warnings, errors and anything unexpected still show. Only
-the start-up is filtered; nothing else changes (no logging level is set).
+those notices: warnings, errors and anything unexpected still show. By
+default only the start-up is filtered; a measured run's own process keeps
+the filter until it exits (`for_life=True`), since TensorFlow may probe a
+device platform again later. Nothing else changes (no logging level is set).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -44,7 +47,7 @@ _PLAIN = (
     "To enable the following instructions:",
     "WARNING: Logging before InitGoogleLogging() is written to STDERR",
 )
-# Only a notice where no NVIDIA driver is loaded: with one, it is a real error.
+# Only a notice where no NVIDIA GPU can be reached: with one, it is a real error.
 _NO_DRIVER_NOTICES = (
     "failed call to cuInit",
     "kernel driver does not appear to be running on this host",
@@ -54,7 +57,22 @@ _NO_DRIVER_NOTICES = (
 
 
 def _has_nvidia_driver() -> bool:
-    return os.path.exists("/proc/driver/nvidia/version")
+    """Whether an NVIDIA GPU can be reached: the kernel driver is loaded and a
+    device node exists. A container sees the host's driver in /proc without
+    the device nodes when no GPU was passed to it; CUDA then fails to start,
+    as it does with no driver at all."""
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or any(
+        re.fullmatch(r"nvidia\d+", name) for name in _listdir("/dev")
+    )
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def is_startup_notice(line: str, nvidia_driver: bool) -> bool:
@@ -70,40 +88,61 @@ def is_startup_notice(line: str, nvidia_driver: bool) -> bool:
     return not nvidia_driver and message.startswith(_NO_DRIVER_NOTICES)
 
 
+class _Filter:
+    """Standard error (the file descriptor, which C++ writes to) sent through
+    a small Python process (this file run as a script) that writes back
+    every line that is not a start-up notice as it arrives. Being another
+    process, it outlives an abort of this one, so a fatal message still
+    shows."""
+
+    def __init__(self):
+        self._saved = None
+        self._sieve = None
+
+    def start(self) -> bool:
+        """Starts filtering; False where standard error cannot be redirected."""
+        sys.stderr.flush()
+        try:
+            saved = os.dup(2)
+        except OSError:
+            return False
+        try:
+            sieve = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=saved,
+            )
+        except OSError:
+            os.close(saved)
+            return False
+        os.dup2(sieve.stdin.fileno(), 2)
+        self._saved, self._sieve = saved, sieve
+        return True
+
+    def stop(self) -> None:
+        """Gives standard error back and waits until the filter has written
+        everything out."""
+        if self._sieve is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._sieve.stdin.close()
+        self._sieve.wait()
+        self._saved = self._sieve = None
+
+
 @contextlib.contextmanager
 def startup_notices_filtered() -> Iterator[None]:
-    """Sends standard error (the file descriptor, which C++ writes to) through
-    a filter for the duration of the block: a small Python process (this
-    file run as a script) that writes back every line that is not a
-    start-up notice as it arrives. Being another process, it outlives an
-    abort of this one, so a fatal message still shows. Where standard error
-    cannot be redirected, the block runs unfiltered."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        sieve = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=saved,
-        )
-    except OSError:
-        os.close(saved)
-        yield
-        return
-    os.dup2(sieve.stdin.fileno(), 2)
+    """Filters standard error (see `_Filter`) for the duration of the block.
+    Where standard error cannot be redirected, the block runs unfiltered."""
+    active = _Filter()
+    active.start()
     try:
         yield
     finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        sieve.stdin.close()
-        sieve.wait()
+        active.stop()
 
 
 def _sieve(source: BinaryIO, sink: TextIO) -> None:
@@ -116,17 +155,33 @@ def _sieve(source: BinaryIO, sink: TextIO) -> None:
             sink.flush()
 
 
-def start_tensorflow() -> None:
+def start_tensorflow(for_life: bool = False) -> None:
     """Imports TensorFlow and Keras and starts TensorFlow's runtime, printing
     no start-up notices (see the module's docstring). Once per process:
-    later calls return at once."""
+    later calls return at once.
+
+    Args:
+        for_life: Keep filtering standard error until the process exits (a
+            child process whose output is another process's progress),
+            instead of only during the start-up.
+    """
     if "tensorflow" in sys.modules:
         return
+    active = _Filter()
+    if for_life and active.start():
+        # Give standard error back at exit, once the filter has written out.
+        atexit.register(active.stop)
+        _import_and_list_devices()
+        return
     with startup_notices_filtered():
-        import keras  # noqa: F401
-        import tensorflow as tf
+        _import_and_list_devices()
 
-        tf.config.list_physical_devices()
+
+def _import_and_list_devices() -> None:
+    import keras  # noqa: F401
+    import tensorflow as tf
+
+    tf.config.list_physical_devices()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,34 @@ def test_start_up_filter_keeps_what_is_not_a_start_up_notice():
     assert kept(nvidia_driver=True) == lines[3:]
 
 
+def test_a_driver_without_device_nodes_is_no_reachable_gpu(monkeypatch):
+    # A container sees the host's /proc/driver/nvidia without any GPU's
+    # device nodes: CUDA fails to start there as it does with no driver.
+    present = {"/proc/driver/nvidia/version"}
+    monkeypatch.setattr(quiet.os.path, "exists", lambda path: path in present)
+    monkeypatch.setattr(quiet, "_listdir", lambda path: ["null", "tty0"])
+    assert not quiet._has_nvidia_driver()
+    monkeypatch.setattr(quiet, "_listdir", lambda path: ["null", "nvidia0"])
+    assert quiet._has_nvidia_driver()
+    present.clear()
+    assert not quiet._has_nvidia_driver()
+
+
+def test_a_run_process_keeps_filtering_after_its_start_up():
+    # TensorFlow may probe a device platform after the start-up; a measured
+    # run's process filters its standard error until it exits.
+    result = run_python(
+        "import os, kmp_cli\n"
+        "kmp_cli.start_tensorflow(for_life=True)\n"
+        "os.write(2, b'E0000 00:00:1.5  7 cuda_platform.cc:52] failed call to '\n"
+        "         b'cuInit: INTERNAL: CUDA error: UNKNOWN ERROR (303)\\n')\n"
+        "os.write(2, b'still shown\\n')\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.endswith("still shown\n"), result.stderr
+    assert ("cuInit" in result.stderr) == quiet._has_nvidia_driver()
+
+
 def test_start_up_filter_writes_back_what_it_keeps_when_the_block_raises(capfd):
     with pytest.raises(ImportError), quiet.startup_notices_filtered():
         os.write(2, b"WARNING: All log messages before absl::InitializeLog() is "

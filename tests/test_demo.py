@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import pytest
@@ -45,7 +46,7 @@ def test_demo_table_with_the_transformer(capfd, tmp_path):
     out = captured.out
     assert code == 0
     # Its runs' processes print no TensorFlow start-up lines (absl's prefix).
-    assert not re.search(r"^[IWEF]\d{4} \d+:|absl::InitializeLog", captured.err, re.M)
+    assert not _absl_lines(captured.err), _who_printed(captured.err)
     assert "epoch 2/2" in captured.err  # their progress still shows
     assert "have not converged yet" in out  # 2 epochs: no 1-point claim
     # One line says what a speed-up comes from on this machine.
@@ -55,6 +56,36 @@ def test_demo_table_with_the_transformer(capfd, tmp_path):
     assert columns.index("ms/step") < columns.index("speed-up")
     assert "float32" in out and "mixed_float16" in out
     assert f"loss curves and loss scale: {tmp_path / 't.png'}" in out
+
+
+_ABSL = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+(\d+) |absl::InitializeLog", re.M)
+
+
+def _absl_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if _ABSL.search(line)]
+
+
+def _who_printed(err: str) -> str:
+    """Each absl line with the process that printed it: absl's thread id is
+    the process id for a process's main thread."""
+    here = os.getpid()
+    said = []
+    lines = err.splitlines()
+    for i, line in enumerate(lines):
+        match = _ABSL.search(line)
+        if not match:
+            continue
+        tid = match.group(1)
+        who = (
+            f"this test's process (pid {here})"
+            if tid and int(tid) == here
+            else f"another process (thread {tid}), one of the demo's runs"
+            if tid
+            else "unknown"
+        )
+        before = " | ".join(lines[max(0, i - 2) : i])
+        said.append(f"{line!r} printed by {who}; after: {before!r}")
+    return "\n".join(said)
 
 
 def test_demo_policies_are_float32_auto_and_float16():
