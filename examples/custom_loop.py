@@ -36,7 +36,7 @@ def train_step(x, y):
         loss = loss_fn(y, model(x, training=True))
     grads = tape.gradient(loss, model.trainable_variables)
     grads, _ = tf.clip_by_global_norm(grads, 1.0)  # on unscaled gradients
-    applied = optimizer.apply(grads, model.trainable_variables)
+    applied = optimizer.apply(grads, model.trainable_variables, scaled=False)
     return loss, applied
 
 

@@ -74,7 +74,7 @@ def train_step(batch):
             logits = tf.cast(loop_model(bx, training=True), tf.float32)
             loss = loss_fn(by[:, None], logits) / global_batch
         grads = tape.gradient(loss, loop_model.trainable_variables)
-        return optimizer.apply(grads, loop_model.trainable_variables)
+        return optimizer.apply(grads, loop_model.trainable_variables, scaled=False)
 
     return strategy.run(replica_step, args=(batch,))
 

@@ -106,7 +106,7 @@ def work() -> None:
                 pred = tf.cast(model(bx), tf.float32)
                 loss = tf.reduce_sum(tf.square(pred - by)) / global_batch
             grads = tape.gradient(loss, model.trainable_variables)
-            return optimizer.apply(grads, model.trainable_variables)
+            return optimizer.apply(grads, model.trainable_variables, scaled=False)
 
         return strategy.run(replica_step, args=(batch,))
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from kmp import compiled_by
 from kmp import debug
+from kmp import loss_scale as loss_scale_lib
 from kmp import optimizer as optimizer_lib
 from kmp import policy as policy_lib
 from kmp import quantization
@@ -402,6 +403,16 @@ class NonFiniteGuard(keras.callbacks.Callback):
     Put it after a `LossScaleMonitor` in the callbacks list so that the
     monitor records the last step before the guard stops the run.
 
+    It reads what it needs from the batch logs, which Keras has already
+    read from the device: the running `skipped_steps_total` and the
+    `loss_scale` that `kmp.compile` puts there (`kmp.telemetry`). It reads
+    the optimizer's skip counters itself once at the start of `fit`, and
+    after a batch only where the logs cannot tell: where they lack the
+    telemetry (a `train_step` that returns its own logs), or, with
+    `steps_per_execution` > 1, where some but not all steps since the last
+    logs were skipped and the count in a row could be on either side of
+    `max_consecutive_skips`.
+
     Args:
         max_consecutive_skips: Skipped steps in a row, at the floor, before
             acting.
@@ -450,20 +461,93 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self.probe = probe
         self.probe_targets = probe_targets
         self.diagnosis: TrainingCollapsedError | None = None
+        # Skipped steps in a row after the last batch end, as bounds
+        # (low, high) from the logs (equal where they tell it exactly), and
+        # the skipped_steps_total they counted from; None where unknown.
+        self._in_a_row: tuple[int, int] | None = None
+        self._total: int | None = None
+        self._steps_done = 0  # train steps of this epoch, at the last batch end
 
-    def _collapsed(self, logs) -> str | None:
+    def on_train_begin(self, logs=None):
+        opt = optimizer_lib.of_model(self.model)
+        self._in_a_row = self._total = None
+        if opt is not None:  # one read per fit: where the logs count from
+            in_a_row = int(_numpy(opt.consecutive_skips))
+            self._in_a_row = (in_a_row, in_a_row)
+            self._total = int(_numpy(opt.skipped_steps_total))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps_done = 0
+
+    def _logged(self, logs, opt, key: str) -> float | None:
+        """`opt`'s value of telemetry `key` in the batch logs, or None."""
+        optimizers = telemetry.optimizers_of(self.model)
+        for label, candidate in optimizers.items():
+            if candidate is opt:
+                prefix = "" if len(optimizers) == 1 else f"{label}_"
+                value = (logs or {}).get(f"{prefix}{key}")
+                return None if value is None else float(value)
+        return None
+
+    def _skips_in_a_row(self, opt, batch: int, logs) -> bool:
+        """Whether at least `max_consecutive_skips` steps in a row were
+        skipped, up to this batch end.
+
+        From the logs' `skipped_steps_total`: with `steps` steps since the
+        last batch end and `skipped` of them skipped, none skipped resets
+        the count, all skipped adds `steps` to it, and some bounds it to
+        `0..skipped` (the applied steps came somewhere in between). The
+        optimizer's `consecutive_skips` is read only where the logs lack
+        the total or the bounds straddle the threshold.
+        """
+        steps = batch + 1 - self._steps_done
+        self._steps_done = batch + 1
+        total = self._logged(logs, opt, "skipped_steps_total")
+        known = (
+            total is not None
+            and self._total is not None
+            and self._in_a_row is not None
+            and steps >= 1
+            and total < loss_scale_lib.COUNTER_MAX  # a saturated total stops
+        )
+        if known:
+            skipped = int(total) - self._total
+            low, high = self._in_a_row
+            if skipped == 0:
+                self._in_a_row = (0, 0)
+            elif skipped == steps:
+                self._in_a_row = (low + steps, high + steps)
+            elif 0 < skipped < steps:
+                self._in_a_row = (0, skipped)
+            else:  # the counters were reset or restored: the logs cannot tell
+                known = False
+        self._total = None if total is None else int(total)
+        if known:
+            low, high = self._in_a_row
+            if high < self.max_consecutive_skips:
+                return False
+            if low >= self.max_consecutive_skips:
+                return True
+        in_a_row = int(_numpy(opt.consecutive_skips))
+        self._in_a_row = (in_a_row, in_a_row)
+        return in_a_row >= self.max_consecutive_skips
+
+    def _collapsed(self, batch: int, logs) -> str | None:
         opt = optimizer_lib.of_model(self.model)
         if opt is None:
             loss = (logs or {}).get("loss")
             if loss is None or math.isfinite(float(loss)):
                 return None
             return None if self._weights_finite() else "weights"
-        if _numpy(opt.consecutive_skips) < self.max_consecutive_skips:
+        if not self._skips_in_a_row(opt, batch, logs):
             return None
-        at_floor = (
-            opt.mode in ("static", "none")
-            or _numpy(opt.loss_scale) <= opt.config.min_scale
-        )
+        if opt.mode in ("static", "none"):
+            at_floor = True
+        else:
+            scale = self._logged(logs, opt, "loss_scale")
+            if scale is None:
+                scale = _numpy(opt.loss_scale)
+            at_floor = scale <= opt.config.min_scale
         if not at_floor:
             return None
         return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"
@@ -554,7 +638,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.diagnosis is not None and self.on_collapse == "warn":
             return  # said once; no more per-step checks
-        cause = self._collapsed(logs)
+        cause = self._collapsed(batch, logs)
         if cause is None:
             return
         self.diagnosis = self._diagnose(cause)

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp import loss_scale as ls
+
 
 class ReplicaDivergenceError(RuntimeError):
     """Replicas hold different loss-scale states."""
@@ -121,14 +123,12 @@ def verify_replicas(optimizer: Any) -> int:
     >>> kmp.distribute.verify_replicas(opt)
     1
     """
-    from kmp import optimizer as optimizer_lib
-
-    if not isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
+    if not isinstance(getattr(optimizer, "loss_scale_object", None), ls.LossScale):
         raise TypeError(
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
             f"{optimizer!r} (of type {type(optimizer).__name__})."
         )
-    names = optimizer_lib.STATE_NAMES
+    names = tuple(ls.PUBLIC_NAMES.values())
     copies = 1
     differing = []
     for name in names:

@@ -245,6 +245,64 @@ def fast_path(caps: Capabilities) -> str:
 # The grappler `remapping` option as it was before kmp turned it off, or None
 # while kmp has not changed it.
 _remapping_before_kmp: list[bool] = []
+# The compute dtype of the last `apply_fast_paths` call (the last
+# kmp.set_policy, policy_scope or kmp.compile), once there was one.
+_last_decided_by: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class RemapperSetting:
+    """Grappler's `remapping` option as it is now, and what kmp did to it.
+
+    The option is one setting for the whole process, and TensorFlow reads it
+    at every call of a compiled function: a train function that has already
+    run follows a later change at its next call (measured: a float16 `fit`
+    traced with the remapper off became ~200x slower on an Intel Xeon once
+    another model's compile turned it back on). kmp cannot set it per model.
+
+    Attributes:
+        enabled: The setting in force now (TensorFlow's default is on).
+        managed: Whether kmp switches it on this machine (no GPUs, no TPUs):
+            off while a float16 policy is in force.
+        set_by_kmp: Whether kmp turned it off, and it is off because of that.
+        decided_by: The compute dtype of the last `kmp.set_policy`,
+            `kmp.policy_scope` or `kmp.compile` that applied kmp's rule;
+            `''` while none did.
+    """
+
+    enabled: bool
+    managed: bool
+    set_by_kmp: bool
+    decided_by: str = ""
+
+
+def remapper_off_for(compute_dtype: str, caps: Capabilities) -> bool:
+    """kmp's rule: whether grappler's remapper should be off for a compute
+    dtype on a machine (float16 without GPUs or TPUs)."""
+    return compute_dtype == "float16" and not caps.gpus and not caps.tpus
+
+
+def remapper_setting() -> RemapperSetting:
+    """Reads grappler's `remapping` setting now in force (see
+    `RemapperSetting`; prints nothing, changes nothing).
+
+    Example:
+
+    >>> setting = kmp.hardware.remapper_setting()
+    >>> setting.enabled  # TensorFlow's default, under the float32 policy
+    True
+    """
+    import tensorflow as tf
+
+    caps = capabilities()
+    enabled = tf.config.optimizer.get_experimental_options().get("remapping", True)
+    return RemapperSetting(
+        enabled=bool(enabled),
+        managed=not caps.gpus and not caps.tpus,
+        set_by_kmp=bool(_remapping_before_kmp and _remapping_before_kmp[-1])
+        and not enabled,
+        decided_by=_last_decided_by[-1] if _last_decided_by else "",
+    )
 
 
 def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
@@ -254,16 +312,20 @@ def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
     remapper, whose fused float16 MatMul+BiasAdd CPU kernel was measured at
     ~0.1 GFLOP/s on Intel machines, and only while a float16
     policy is in force: bfloat16 keeps its fused kernels, and the previous
-    setting comes back when the policy changes. `kmp.set_policy` and
-    `kmp.policy_scope` call this.
+    setting comes back when the policy changes. `kmp.set_policy`,
+    `kmp.policy_scope` and `kmp.compile` call this.
+
+    The setting is process-wide (`RemapperSetting`): the last call decides
+    it for every model in the process. `kmp.precision_report` and
+    `kmp doctor` say so where it matters.
 
     Returns:
         A description of each setting changed (empty if none).
     """
     import tensorflow as tf
 
-    caps = capabilities()
-    wanted = compute_dtype == "float16" and not caps.gpus and not caps.tpus
+    wanted = remapper_off_for(compute_dtype, capabilities())
+    _last_decided_by[:] = [compute_dtype]
     changed = []
     if wanted and not _remapping_before_kmp:
         before = tf.config.optimizer.get_experimental_options().get("remapping", True)
@@ -308,6 +370,7 @@ class DoctorReport:
     versions: dict[str, str]
     warnings: tuple[str, ...]
     fused_update: str = ""  # the rule `fused_update=None` follows here
+    remapper: RemapperSetting | None = None  # grappler's remapping, now
 
     def to_dict(self) -> dict:
         caps = self.capabilities
@@ -334,18 +397,16 @@ class DoctorReport:
             "versions": dict(self.versions),
             "warnings": list(self.warnings),
             "fused_update": self.fused_update,
+            "remapper": (
+                dataclasses.asdict(self.remapper) if self.remapper is not None else None
+            ),
         }
 
 
 def known_slow_paths(caps: Capabilities) -> tuple[str, ...]:
-    """Warnings for this hardware, from what was measured on such machines."""
+    """Warnings for this hardware, from what was measured on such machines
+    (`doctor` adds the settings in force in this process)."""
     warnings = []
-    if fast_paths_active():
-        warnings.append(
-            "kmp has turned grappler's remapper off while the float16 policy "
-            "is in force (its fused float16 MatMul CPU kernel is very slow); "
-            "it comes back when the policy changes."
-        )
     if not caps.gpus and not caps.tpus:
         warnings.append(
             "Training on the CPU: under float16, kmp computes convolutions in "
@@ -394,11 +455,16 @@ def doctor() -> DoctorReport:
     import tensorflow as tf
 
     from kmp import fused
+    from kmp import report
     from kmp.version import __version__
 
     caps = capabilities()
     auto = resolve_auto()
+    remapper = remapper_setting()
     notes = known_slow_paths(caps)
+    remapper_note = report.remapper_note(remapper)
+    if remapper_note:
+        notes = (remapper_note, *notes)
     if auto.policy == "mixed_float16":
         notes += (QUANTIZED_FLOAT16_NOTE,)
     return DoctorReport(
@@ -411,6 +477,7 @@ def doctor() -> DoctorReport:
         },
         warnings=notes,
         fused_update=fused.rule(),
+        remapper=remapper,
     )
 
 

@@ -32,7 +32,13 @@ COUNTER_MAX = 2**63 - 1
 
 
 class LossScaleError(ValueError):
-    """A loss-scale setting is invalid."""
+    """A loss-scale setting is invalid, or gradients were handed over against
+    the optimizer's contract."""
+
+    # Exception's own constructor: TensorFlow's autograph then re-raises this
+    # type when it is raised while a tf.function is traced (instead of its
+    # StagingError), so the error keeps its type for `except` clauses.
+    __init__ = Exception.__init__
 
 
 def _as_number(value: Any, kinds: str) -> float | int | None:
@@ -501,3 +507,24 @@ class LossScale:
         for field in dataclasses.fields(self.state):
             if field.name in moving:
                 getattr(self.state, field.name).assign(getattr(new, field.name))
+
+
+def check_loss(loss, mode: str) -> None:
+    """Refuses a loss that cannot be scaled: not floating point, or 16-bit
+    (scaled, it overflows)."""
+    dtype = getattr(loss, "dtype", None)
+    if dtype is None:
+        return
+    dtype = tf.as_dtype(dtype)
+    if not dtype.is_floating:
+        raise TypeError(
+            f"The loss must be a floating-point tensor to be scaled. Received a "
+            f"loss of dtype {dtype.name}. Cast it first: tf.cast(loss, 'float32')."
+        )
+    if mode != NONE and dtype.size < 4:
+        raise TypeError(
+            f"The loss is {dtype.name}; a scaled {dtype.name} loss overflows "
+            "(float16 above 65504, so any loss scale of 2**16 or more). Expected a "
+            "float32 loss, as Keras's losses compute. Compute it in float32: "
+            "cast the predictions first, tf.cast(y_pred, 'float32')."
+        )

@@ -13,6 +13,7 @@ from kmp import fused
 from kmp import hardware
 from kmp import planning
 from kmp import telemetry
+from kmp import unscaling
 from kmp.optimizer import LossScaleOptimizer
 
 
@@ -121,6 +122,7 @@ def compile(
             "optimizer. Set it there instead: "
             "kmp.LossScaleOptimizer(inner, fused_update=...)."
         )
+    _refuse_tf_keras_2_contract_in_keras_train_step(model, kept)
     planning.prepare(model)
     the_plan = planning.plan(model)
     float16 = the_plan.computes_in_float16
@@ -165,6 +167,23 @@ def compile(
         telemetry.register(model, wrapped)
     telemetry.attach(model)
     return model
+
+
+def _refuse_tf_keras_2_contract_in_keras_train_step(model, optimizers: dict) -> None:
+    """Keras's own `train_step` hands `apply_gradients` the gradients of
+    `scale_loss(loss)`, which an optimizer with tf.keras 2's contract does
+    not take: refused here, before anything trains."""
+    own_step = type(model).train_step is keras.Model.train_step
+    for name, opt in optimizers.items():
+        if own_step and getattr(opt, "contract", None) == unscaling.UNSCALED:
+            raise ValueError(
+                f"{name} is a kmp.mixed_precision.LossScaleOptimizer, whose "
+                "apply_gradients takes unscaled gradients (tf.keras 2's "
+                "contract), but this model trains with Keras's own train_step, "
+                "which hands it the gradients of scale_loss(loss). Pass the "
+                f"inner optimizer instead: kmp.compile(model, {name}="
+                f"{name}.inner_optimizer), or a kmp.LossScaleOptimizer."
+            )
 
 
 def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:

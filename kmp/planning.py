@@ -195,7 +195,8 @@ def plan(
 ) -> Plan:
     """Decides every layer's policy by kmp's rules and leaves the model as it
     was (to check a float-token-ids decision it traces one layer under a
-    temporary policy, then restores it).
+    temporary policy, and to see whether a Keras attention called by user
+    code hands its scores out it traces the model once, then restores it).
 
     Args:
         model: A Keras model or layer.
@@ -235,8 +236,9 @@ def plan(
     decisions: list[Decision] = []
     unbuilt: list[str] = []
     decided: dict[int, policy_lib.Policy] = {id(model): base}
-    forced: dict[int, tuple[policy_lib.Policy, str]] = {}
+    forced: dict[int, tuple[policy_lib.Policy, str, str]] = {}
     weights = _weight_count(model)
+    scores_inside: frozenset[int] | None = None  # traced once, when needed
 
     for site in traversal.walk(model):
         layer, path = site.layer, site.path
@@ -262,7 +264,7 @@ def plan(
         elif user_rule:
             chosen, rule = user_rule.policy, user_rule.describe()
         elif id(layer) in forced:
-            chosen, rule = forced[id(layer)]
+            chosen, rule, note = forced[id(layer)]
         elif is_keras_attention(site.parent):
             # Keras's attention code consumes its sublayers: the scores rule
             # above decides them, or they stay as Keras made them.
@@ -276,7 +278,12 @@ def plan(
         decided[id(layer)] = inherited if rule == TOKEN_IDS else chosen
         decisions.append(Decision(site, chosen, rule, kind, explicit, note))
         if rule == ATTENTION_SCORES and id(layer) not in forced:
-            forced.update(_attention_sublayers(site, inherited))
+            inside = site.casts_downstream
+            if not inside:
+                if scores_inside is None:
+                    scores_inside = _scores_stay_inside(model, inherited)
+                inside = id(layer) in scores_inside
+            forced.update(_attention_sublayers(site, inherited, inside))
         elif (
             kind is not None
             and kind[0].action == kinds.SCORES
@@ -407,22 +414,79 @@ def _scores_in_float32(layer, inherited) -> bool:
     return mode == rules.FLOAT32 and kinds.keeps_keras_attention_code(layer)
 
 
-def _attention_sublayers(site, inherited):
-    """{id(sublayer): (policy, rule)} for Keras's attention under the scores
-    rule: query and key in float32, the rest in `inherited`; the softmax in
-    float32 too where what the layer returns (its scores, with
-    `return_attention_scores=True`) goes only to consumers that absorb it."""
+def _attention_sublayers(site, inherited, scores_inside: bool):
+    """{id(sublayer): (policy, rule, note)} for Keras's attention under the
+    scores rule: query, key and softmax in float32, the rest in `inherited`.
+    The softmax's output is the scores the layer returns with
+    `return_attention_scores=True`: where they reach user code
+    (`scores_inside` False) it keeps `inherited`, so that they keep their
+    dtype."""
     float32 = policy_lib.get(rules.FLOAT32)
     forced = {}
     for child in traversal.children(site.layer):
         softmax = isinstance(child, keras.layers.Softmax)
-        if child.name in ("query", "key") or (softmax and site.casts_downstream):
-            forced[id(child)] = (float32, ATTENTION_SCORES)
+        if child.name in ("query", "key") or (softmax and scores_inside):
+            forced[id(child)] = (float32, ATTENTION_SCORES, "")
         elif softmax:
-            forced[id(child)] = (inherited, SCORES_KEPT)
+            dtype = inherited.compute_dtype
+            overflow = (
+                ", where logits above 65504 overflow" if dtype == "float16" else ""
+            )
+            forced[id(child)] = (
+                inherited,
+                SCORES_KEPT,
+                f"its output is the scores the layer may hand to user code "
+                f"({_where(site)}; return_attention_scores=True, or kmp could not "
+                f"trace the model), which keep their dtype: it computes in "
+                f"{dtype}{overflow}; kmp.set_layer_policy('name:{site.path}/"
+                f"{child.name}', 'float32') computes it in float32 and hands "
+                "over float32 scores",
+            )
         else:
-            forced[id(child)] = (inherited, "default: attention value/output")
+            forced[id(child)] = (inherited, "default: attention value/output", "")
     return forced
+
+
+def _scores_stay_inside(model, inherited) -> frozenset[int]:
+    """ids of the Keras attention layers in `model`, outside graphs that
+    absorb their dtype, whose scores (their softmax's output) do not leave
+    them: their callers did not ask for them, so a float32 softmax changes
+    nothing the callers receive. One trace of `model` shows it, with each
+    such layer's sublayers as the scores rule plans them (value and output
+    in `inherited`) and its softmax in float32: the layer then returns
+    16-bit tensors only unless its float32 scores leave it. The model is
+    restored after; empty when it cannot be traced."""
+    sites = [
+        s
+        for s in traversal.walk(model)
+        if is_keras_attention(s.layer)
+        and not s.casts_downstream
+        and s.layer.built
+        and _scores_in_float32(s.layer, inherited)
+    ]
+    sublayers = {id(c): c for s in sites for c in traversal.children(s.layer)}
+    planned = {
+        key: policy.keras_name
+        for s in sites
+        for key, (policy, _, _) in _attention_sublayers(s, inherited, True).items()
+    }
+    if not planned:
+        return frozenset()
+    saved = {key: quantization.snapshot(sublayers[key]) for key in planned}
+    try:
+        for key, name in planned.items():
+            quantization.set_float_part(sublayers[key], name)
+        traced = tracing.trace(model)
+    finally:
+        for key, own in saved.items():
+            quantization.restore(sublayers[key], own)
+    if traced.error:
+        return frozenset()
+    return frozenset(
+        id(s.layer)
+        for s in sites
+        if (ops := traced.of(s.path)) is not None and rules.FLOAT32 not in ops.returns
+    )
 
 
 def prepare(model: keras.layers.Layer) -> keras.layers.Layer:

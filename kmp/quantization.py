@@ -38,6 +38,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp import _warn
 from kmp import traversal
 
 # Keras's own refusal (`Layer.quantize`, `QuantizedDTypePolicy`), with why.
@@ -213,3 +214,23 @@ def dead_adapters(variables) -> list[str]:
 def _own_weights(layer: keras.layers.Layer) -> list[Any]:
     inner = {id(w) for child in traversal.children(layer) for w in child.weights}
     return [w for w in layer.weights if id(w) not in inner]
+
+
+def warn_dead_adapters(variables) -> None:
+    """Warns once per call when `dead_adapters(variables)` names layers, with
+    both ways to go on (the optimizer calls it at its first apply)."""
+    dead = dead_adapters(variables)
+    if not dead:
+        return
+    _warn.warn(
+        f"The LoRA adapters of {', '.join(dead)} are all zero, so they "
+        "cannot learn (both factors zero: their gradients are zero). That is what "
+        "keras.models.load_model leaves: Keras's .keras format merges the "
+        "adapters into the kernel when saving and zeroes them when loading. "
+        "To continue LoRA fine-tuning exactly where it stopped, save with "
+        "tf.train.Checkpoint(model=model, optimizer=model.optimizer), which "
+        "keeps the adapters; to start new adapters on the merged model, "
+        "give lora_kernel_a random values: "
+        "layer.lora_kernel_a.assign(keras.initializers.HeUniform()("
+        "layer.lora_kernel_a.shape))."
+    )

@@ -4,11 +4,13 @@ what computes in float32 inside it, and the rule that decided it."""
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Iterator
 
 import keras
 
 from kmp import compiled_by
+from kmp import hardware
 from kmp import model as model_lib
 from kmp import planning
 from kmp import policy as policy_lib
@@ -73,6 +75,11 @@ class PrecisionReport:
         not_traced: Why the model was not traced, or `''` when it was.
         loss_scaling: How the model's optimizers scale the loss, and why
             (`kmp.compile` decides it from the model's own layers).
+        remapper: Where it matters to this model (a machine without GPUs,
+            and float16 in the model or kmp's float16 setting in force):
+            grappler's remapping setting now, which is process-wide, and how
+            to keep it right for this model (`remapper_note`); `''`
+            elsewhere.
     """
 
     model_name: str
@@ -81,6 +88,7 @@ class PrecisionReport:
     outputs: tuple[str, ...] = ()
     not_traced: str = ""
     loss_scaling: str = ""
+    remapper: str = ""
 
     def __iter__(self) -> Iterator[LayerPrecision]:
         return iter(self.rows)
@@ -123,7 +131,115 @@ class PrecisionReport:
             lines.append(f"Loss scaling: {self.loss_scaling}")
         if self.not_traced:
             lines.append(f"Not traced: {self.not_traced}.")
+        if self.remapper:
+            lines.append(textwrap.fill(self.remapper, width=88, break_on_hyphens=False))
         return "\n".join(lines)
+
+
+def remapper_note(
+    setting: hardware.RemapperSetting,
+    float16: bool | None = None,
+    policy: str = "",
+) -> str:
+    """In words: grappler's remapping setting now, that it is process-wide,
+    and how to keep it right, where that matters; `''` where it does not.
+
+    For a model (`float16`: whether it computes in float16; `policy`: its
+    policy's name) it matters on a machine where kmp switches the setting
+    (no GPUs): for a float16 model always, for another model while kmp has
+    it off. Without a model (`float16=None`, `kmp doctor`) it matters on
+    every such machine.
+
+    Example:
+
+    >>> setting = kmp.hardware.RemapperSetting(
+    ...     enabled=True, managed=True, set_by_kmp=False, decided_by="float32")
+    >>> print(kmp.report.remapper_note(setting, float16=True,
+    ...                                policy="mixed_float16"))
+    Grappler remapping: ON now, for every model in this process: ...
+    >>> kmp.report.remapper_note(setting, float16=False, policy="float32")
+    ''
+    """
+    if not setting.managed:
+        return ""
+    if float16 is None:
+        return _remapper_machine_note(setting)
+    if not float16 and not setting.set_by_kmp:
+        return ""  # kmp leaves it alone for this model, and so did the others
+    wanted = policy if _computes_in_float16(policy) == float16 else ""
+    wanted = wanted or ("mixed_float16" if float16 else "float32")
+    fix = (
+        "Fix: train models of different policies in separate processes, or "
+        f"call kmp.set_policy({wanted!r}) (or kmp.compile this model again) "
+        "right before each fit of this model."
+    )
+    if float16 and not setting.enabled:
+        why = (
+            "kmp turns it off while float16 is in force on a machine without "
+            "GPUs: its fused float16 MatMul+BiasAdd CPU kernel is very slow"
+            if setting.set_by_kmp
+            else "set outside kmp, with tf.config.optimizer.set_experimental_options"
+        )
+        head = f"Grappler remapping: off now, for every model in this process ({why})."
+    elif float16:
+        by = f" (for {setting.decided_by})" if setting.decided_by else ""
+        head = (
+            "Grappler remapping: ON now, for every model in this process: the "
+            f"last kmp.set_policy or kmp.compile{by}, or "
+            "tf.config.optimizer.set_experimental_options, left it on, so this "
+            "float16 model's fit runs the fused float16 MatMul+BiasAdd CPU "
+            "kernel, measured ~50x slower than float32 on Intel CPUs."
+        )
+    else:
+        head = (
+            "Grappler remapping: off now, for every model in this process: kmp "
+            "turned it off for the float16 policy or model set up last, so this "
+            "model, which does not compute in float16, also trains without "
+            "grappler's fused kernels."
+        )
+    return f"{head} {_PROCESS_WIDE} {fix}"
+
+
+_PROCESS_WIDE = (
+    "The setting is process-wide and TensorFlow reads it at every train-step "
+    "call: the last kmp.set_policy, kmp.policy_scope or kmp.compile decides it "
+    "for every model, so a model compiled after another under a different "
+    "policy changes it for both, also for a model that has already trained."
+)
+
+
+def _remapper_machine_note(setting: hardware.RemapperSetting) -> str:
+    if setting.set_by_kmp:
+        now = (
+            "kmp has turned grappler's remapper off in this process while a "
+            "float16 policy is in force (its fused float16 MatMul+BiasAdd CPU "
+            "kernel is very slow); it comes back when the policy changes."
+        )
+    elif setting.enabled:
+        now = (
+            "Grappler remapping is on in this process. On a machine without "
+            "GPUs kmp turns it off while a float16 policy is in force (its "
+            "fused float16 MatMul+BiasAdd CPU kernel is very slow) and back on "
+            "for other policies."
+        )
+    else:
+        return (
+            "Grappler remapping is off in this process, set outside kmp "
+            "(tf.config.optimizer.set_experimental_options); kmp leaves it so, "
+            "for every model."
+        )
+    return (
+        f"{now} {_PROCESS_WIDE} Train models of different policies in separate "
+        "processes, or call kmp.set_policy with a model's policy (or kmp.compile "
+        "it again) right before each of its fits."
+    )
+
+
+def _computes_in_float16(policy: str) -> bool:
+    try:
+        return policy_lib.get(policy).compute_dtype == "float16"
+    except (ValueError, TypeError):
+        return False
 
 
 def _variable_dtype(layer: keras.layers.Layer) -> str:
@@ -245,5 +361,10 @@ def precision_report(
             model_lib.describe_loss_scaling(model)
             if isinstance(model, keras.Model) and model.compiled
             else ""
+        ),
+        remapper=remapper_note(
+            hardware.remapper_setting(),
+            the_plan.computes_in_float16,
+            the_plan.base.name,
         ),
     )

@@ -38,10 +38,12 @@ the next piece of user code:
 * Attention (`MultiHeadAttention`, `GroupQueryAttention` and subclasses that
   keep Keras's attention code): the rule changes only sublayers whose
   outputs Keras's own attention code consumes with `keras.ops` that promote,
-  so the layer returns the dtype it returned before; its softmax (whose
-  output it returns with `return_attention_scores=True`) only where the
-  layer's outputs reach consumers that absorb a dtype change. What it does
-  is set by `set_attention_scores` (below).
+  so the layer returns the dtype it returned before. Its softmax's output is
+  the scores it returns with `return_attention_scores=True`: the softmax
+  changes wherever those scores stay inside the layer (kmp traces the model
+  to see it when user code calls the layer) or reach consumers that absorb
+  a dtype change, and keeps its policy only where they reach user code.
+  What it does is set by `set_attention_scores` (below).
 
 Resolution order, for each float layer (first match wins):
 
@@ -322,7 +324,9 @@ def set_attention_scores(mode: str) -> None:
       speed of Keras's own attention).
     * `'float32'`: the query and key projections, the scores and the softmax
       compute in float32; the value and output projections and dropout stay
-      16-bit, so the layer still returns the compute dtype. Under bfloat16
+      16-bit, so the layer still returns the compute dtype. (Where the layer
+      hands its scores to your code, `return_attention_scores=True`, they
+      keep their dtype: the softmax there stays 16-bit.) Under bfloat16
       this keeps the attention output within about 0.4% of float32 at any
       input scale (Keras's bfloat16 attention: 5% at scale 10, 10% at 30),
       at the cost of two float32 projections.

@@ -7,8 +7,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from kmp import loss_scale as ls
 from kmp.optimizer import LossScaleOptimizer
-from kmp.optimizer import _check_loss
 
 
 class ScaledGradientTape(tf.GradientTape):
@@ -17,10 +17,12 @@ class ScaledGradientTape(tf.GradientTape):
 
     Backpropagation starts from `scale` instead of 1 (the same as
     differentiating `loss * scale`), so small float16 gradients do not
-    underflow on the way; the result is divided by the scale. Pass the
-    gradients to `optimizer.apply(grads, variables)`: it skips the step if
-    any is inf/NaN, updates the scale, and returns whether it applied.
-    Clip the returned gradients as you like: they are unscaled.
+    underflow on the way; the result is divided by the scale. Apply them
+    with `optimizer.apply(grads, variables, scaled=False)` (they are
+    unscaled; `apply` without it takes the gradients of a scaled loss, and
+    refuses these in the same step): it skips the step if any is inf/NaN,
+    updates the scale, and returns whether it applied. Clip the returned
+    gradients as you like.
 
     Works eagerly and inside `tf.function`, with `persistent=True`, and for
     gradients of gradients (the inner tape can be a plain `tf.GradientTape`).
@@ -41,7 +43,7 @@ class ScaledGradientTape(tf.GradientTape):
     >>> grads = tape.gradient(loss, [w])
     >>> float(grads[0])
     4.0
-    >>> bool(opt.apply(grads, [w])), float(w)
+    >>> bool(opt.apply(grads, [w], scaled=False)), float(w)
     (True, 0.0)
     """
 
@@ -91,12 +93,13 @@ class ScaledGradientTape(tf.GradientTape):
         """Returns the unscaled gradients of `target` with respect to `sources`.
 
         Same arguments and return structure as `tf.GradientTape.gradient`.
-        The gradients are marked as unscaled for `optimizer.apply`; those of
-        variables Keras overwrites with their "gradient" (float8 scales and
-        histories) are returned as Keras computes them, never divided.
+        Apply them with `optimizer.apply(grads, variables, scaled=False)`.
+        Those of variables Keras overwrites with their "gradient" (float8
+        scales and histories) are returned as Keras computes them, never
+        divided.
         """
         for t in tf.nest.flatten(target):
-            _check_loss(t, self._optimizer.mode)
+            ls.check_loss(t, self._optimizer.mode)
             self._optimizer.record_loss(t)
         scale = self._optimizer.loss_scale_object
         if not scale.scaling:  # mode 'none': a plain tape
@@ -113,7 +116,5 @@ class ScaledGradientTape(tf.GradientTape):
                 lambda o: o * tf.cast(value, o.dtype), output_gradients
             )
         grads = super().gradient(target, sources, seeds, unconnected_gradients)
-        flat = self._optimizer.unscaled_from_tape(
-            tf.nest.flatten(grads), tf.nest.flatten(sources)
-        )
+        flat = self._optimizer.unscale(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, flat)

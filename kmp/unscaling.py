@@ -1,43 +1,41 @@
-"""Whether the gradients `apply()` receives are still scaled, decided from
-where they came from, never from one flag shared by every call.
+"""Whether the gradients `apply()` receives are scaled: stated by the code
+that hands them over, never guessed.
 
-Three ways of training hand `kmp.LossScaleOptimizer.apply` gradients:
+Each entry point has one contract, visible at the call site or in the
+optimizer's type:
 
-* Keras 3 (`fit`, a plain `tf.GradientTape` on `optimizer.scale_loss(loss)`):
-  scaled gradients; `apply` unscales them.
-* `kmp.ScaledGradientTape.gradient` and tf.keras 2's
-  `get_unscaled_gradients`: unscaled gradients, clipped or not.
-* A custom step that never scaled its loss: gradients that never were scaled.
+=====================================================  ======================
+gradients handed over by                               taken as
+=====================================================  ======================
+`fit` (Keras's `train_step`), `opt.apply(grads)` /     gradients of
+`opt.apply_gradients(...)` on `kmp.LossScaleOptimizer`  `scale_loss(loss)`:
+(Keras 3's contract)                                   unscaled by kmp
+`opt.apply(grads, vars, scaled=True)`                  the same, stated
+`opt.apply(grads, vars, scaled=False)`: the gradients  as they are
+of `kmp.ScaledGradientTape.gradient`, of
+`get_unscaled_gradients`, or of a loss never scaled
+`kmp.mixed_precision.LossScaleOptimizer`'s             as they are
+`apply_gradients` / `apply` (tf.keras 2's contract:
+the gradients `get_unscaled_gradients` returned)
+=====================================================  ======================
 
-A `Ledger` records, per step context (the outermost graph being traced,
-so that a loop or condition body belongs to its function's step; or the
-eager steps since the last `apply`), every loss it scaled and every set of
-gradients it handed out unscaled, in order, holding weak references to
-those tensors so that their identity is a mark (a tensor that is unchanged
-by unscaling, such as a float8 scale's entry or any gradient under mode
-`'none'`, marks nothing). `apply` then looks its gradients up (`decide`):
+One exception to Keras 3's contract is decided by kmp, and only where it is
+exact: in a traced step (a `tf.function`, such as the step `fit` traces)
+that scaled no loss, handed out no unscaled gradients, and whose gradients
+are computed in that trace without reading the loss scale (a custom
+`train_step` that never calls `scale_loss`), the gradients cannot hold the
+scale: they are applied as they are, with a one-time warning naming the
+line to add. Gradients that enter the traced function as values (its
+arguments or captured tensors) follow the contract.
 
-1. all of them handed out unscaled: applied as they are;
-2. the scaled gradients that `get_unscaled_gradients` was given (unscaled
-   copies taken, e.g. to log a norm): unscaled;
-3. some of both: an error, not a guess;
-4. unknown tensors (clipped, or otherwise computed from what was handed
-   out or scaled): as the latest record says: a hand-out, applied as they
-   are; a scaled loss, unscaled;
-5. nothing in this context, with gradients computed in it (a graph's own
-   ops: a custom train_step that never scaled its loss): applied as they
-   are, with a one-time warning naming the line to add;
-6. nothing in this context, with gradients from elsewhere (arguments of a
-   `tf.function`, eager values): decided at run time from the step state
-   another context left (`PENDING_*` in a variable): unscaled gradients
-   handed out there are applied as they are, a loss scaled there means
-   scaled gradients; with no such state they are taken as scaled, Keras's
-   own `apply` semantics (its tests apply pre-scaled gradients directly),
-   and eagerly, where kmp can tell, with a one-time warning.
-
-The same ledger refuses the sequences that would scale twice: scaling a
-loss inside a recording `ScaledGradientTape`, or unscaling gradients that
-were handed out unscaled.
+What kmp records, per step context (the outermost graph being traced, or
+eager execution) since the last `apply` there, is used to refuse sequences
+that the contract makes wrong, never to decide: gradients handed out
+unscaled and then passed to an `apply` that would unscale them again, a
+loss scaled inside a recording `ScaledGradientTape` (which scales it
+already), scaled gradients passed to a tf.keras 2 `apply_gradients`. The
+records are Python objects of this process: never saved, never shared
+between contexts.
 """
 
 from __future__ import annotations
@@ -50,49 +48,18 @@ import tensorflow as tf
 
 from kmp.loss_scale import LossScaleError
 
-# What the last step context left for `apply`, at run time.
-PENDING_NONE = 0
-PENDING_SCALED_LOSS = 1
-PENDING_UNSCALED = 2
-
 # How `apply` treats its gradients.
 SCALED = "scaled"  # unscale them
 UNSCALED = "unscaled"  # apply them as they are
 NEVER_SCALED = "never scaled"  # as they are, and warn once
-AT_RUN_TIME = "at run time"  # from the pending-state variable
-
-# Records kept per context, at most (code may take gradients it never
-# applies); they hold weak references only.
-_MAX_RECORDS = 64
-
-
-def _refs(tensors) -> list:
-    return [weakref.ref(t) for t in tensors if t is not None]
-
-
-def _ids(refs) -> set[int]:
-    return {id(t) for t in (r() for r in refs) if t is not None}
-
-
-@dataclasses.dataclass
-class _HandOut:
-    seq: int
-    unscaled: list  # weak references
-    scaled: list  # weak references: what get_unscaled_gradients was given
-    neutral: list  # weak references: left unchanged by unscaling
 
 
 @dataclasses.dataclass
 class _Context:
-    seq: int = 0
-    scaled_losses: list = dataclasses.field(default_factory=list)  # seqs
-    hand_outs: list = dataclasses.field(default_factory=list)  # _HandOut
+    scaled_losses: int = 0  # scale_loss / get_scaled_loss calls
+    hand_outs: int = 0  # unscaled gradients handed out
     recording_tapes: int = 0
     applied: bool = False  # a step was applied here (telemetry reads it)
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
 
 
 def _step_graphs() -> list:
@@ -108,24 +75,18 @@ def _step_graphs() -> list:
     return graphs
 
 
-def _key():
-    """The current step context: the outermost function graph being built,
-    or None (eager)."""
-    graphs = _step_graphs()
-    return graphs[-1] if graphs else None
-
-
 class Ledger:
-    """The per-context record of one optimizer (see the module docstring)."""
+    """The per-context records of one optimizer (see the module docstring)."""
 
     def __init__(self):
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._eager = _Context()
 
     def _context(self) -> _Context:
-        key = _key()
-        if key is None:
+        graphs = _step_graphs()
+        if not graphs:
             return self._eager
+        key = graphs[-1]
         context = self._graphs.get(key)
         if context is None:
             context = self._graphs[key] = _Context()
@@ -145,8 +106,7 @@ class Ledger:
                 "scale_loss/get_scaled_loss, or use a plain tf.GradientTape "
                 "with optimizer.scale_loss(loss)."
             )
-        context.scaled_losses.append(context.next_seq())
-        del context.scaled_losses[:-_MAX_RECORDS]
+        context.scaled_losses += 1
 
     def tape_entered(self) -> None:
         self._context().recording_tapes += 1
@@ -155,76 +115,73 @@ class Ledger:
         context = self._context()
         context.recording_tapes = max(0, context.recording_tapes - 1)
 
-    def handing_out(self, scaled: list, unscaled: list) -> None:
-        """`unscaled` (computed from `scaled`, which may be empty) is handed
-        out as unscaled gradients; refuses to unscale gradients twice."""
-        context = self._context()
-        unchanged = {id(g) for g in scaled if g is not None} & {
-            id(u) for u in unscaled if u is not None
-        }
-        known = set().union(*(_ids(h.unscaled) for h in context.hand_outs))
-        if any(id(g) in known for g in scaled if g is not None):
-            raise LossScaleError(
-                "These gradients are unscaled already: they came from "
-                "kmp.ScaledGradientTape.gradient or get_unscaled_gradients. "
-                "Unscaling them again would divide them by the loss scale twice. "
-                "Pass them to optimizer.apply(grads, variables) as they are."
-            )
-        seq = context.next_seq()
-        if scaled and context.scaled_losses:
-            # These are the gradients of the latest scaled loss: used up.
-            context.scaled_losses.pop()
-        context.hand_outs.append(
-            _HandOut(
-                seq,
-                _refs(u for u in unscaled if u is not None and id(u) not in unchanged),
-                _refs(g for g in scaled if g is not None and id(g) not in unchanged),
-                _refs(u for u in unscaled if u is not None and id(u) in unchanged),
-            )
-        )
-        del context.hand_outs[:-_MAX_RECORDS]
+    def handed_out(self) -> None:
+        """Unscaled gradients were handed out here."""
+        self._context().hand_outs += 1
 
     # --- what apply does --------------------------------------------------
 
-    def decide(self, grads: list[Any]) -> str:
-        """How `apply` treats `grads` (`SCALED`, `UNSCALED`, `NEVER_SCALED`
-        or `AT_RUN_TIME`), consuming the record it used; see the module
-        docstring."""
-        context = self._context()
-        hand_outs = context.hand_outs
-        given = {id(g) for g in grads if g is not None}
-        neutral = set().union(*(_ids(h.neutral) for h in hand_outs))
-        ids = given - neutral
-        if given and not ids:  # unchanged by unscaling: either reading holds
-            self._consume(hand_outs, lambda h: bool(_ids(h.neutral) & given))
+    def decide(
+        self,
+        grads: list[Any],
+        scaled: bool | None,
+        contract: str,
+        scale_variable: Any,
+        scaling: bool = True,
+    ) -> str:
+        """How `apply` treats `grads`: `SCALED`, `UNSCALED` or `NEVER_SCALED`.
+
+        Args:
+            grads: The gradients `apply` received.
+            scaled: What the caller stated (`None`: nothing).
+            contract: The optimizer's contract when nothing is stated
+                (`SCALED`: Keras 3's; `UNSCALED`: tf.keras 2's).
+            scale_variable: The loss-scale variable, whose reads mark the
+                gradients computed with the scale.
+            scaling: Whether the loss is scaled at all (mode `'none'`: either
+                reading gives the same update, so nothing is refused).
+
+        Raises:
+            LossScaleError: for a sequence the contract makes wrong.
+        """
+        current = self._context()
+        eager = current is self._eager
+        # What happened since the last apply in this context; the next apply
+        # starts afresh.
+        context = dataclasses.replace(current)
+        current.scaled_losses = current.hand_outs = 0
+        if scaled is not None:
+            return SCALED if scaled else UNSCALED
+        if not scaling:
             return UNSCALED
-        unscaled = set().union(*(_ids(h.unscaled) for h in hand_outs))
-        if ids and ids <= unscaled:
-            self._consume(hand_outs, lambda h: bool(_ids(h.unscaled) & ids))
+        if contract == UNSCALED:
+            if context.scaled_losses and not context.hand_outs:
+                raise LossScaleError(
+                    "This optimizer keeps tf.keras 2's contract: apply_gradients "
+                    "takes the unscaled gradients that get_unscaled_gradients "
+                    "returns, and a loss was scaled here with none unscaled. "
+                    "Unscale them first: grads = "
+                    "optimizer.get_unscaled_gradients(scaled_grads); or, if they "
+                    "are the gradients of the scaled loss, say so: "
+                    "optimizer.apply(grads, variables, scaled=True)."
+                )
             return UNSCALED
-        if ids & unscaled:
+        if context.hand_outs:
             raise LossScaleError(
-                "apply() received a mix of gradients: some were handed out "
-                "unscaled (by kmp.ScaledGradientTape.gradient or "
-                "get_unscaled_gradients) and some not, so kmp cannot tell "
-                "whether to unscale them. Pass all of one kind: the unscaled "
-                "gradients (clipped as you like), or all the scaled ones."
+                "apply() takes the gradients of scale_loss(loss) and unscales "
+                "them, but unscaled gradients were handed out here (by "
+                "kmp.ScaledGradientTape.gradient or get_unscaled_gradients): "
+                "unscaling those again would divide the update by the loss "
+                "scale. Say which these are: optimizer.apply(grads, variables, "
+                "scaled=False) for the unscaled ones, scaled=True for the "
+                "gradients of scale_loss(loss). (To look at gradients without "
+                "applying them, a plain tf.GradientTape hands out nothing.)"
             )
-        known_scaled = set().union(*(_ids(h.scaled) for h in hand_outs))
-        if ids and ids <= known_scaled:
-            self._consume(hand_outs, lambda h: bool(_ids(h.scaled) & ids))
+        if eager or context.scaled_losses:
             return SCALED
-        latest_hand_out = hand_outs[-1].seq if hand_outs else 0
-        latest_loss = context.scaled_losses[-1] if context.scaled_losses else 0
-        if latest_hand_out > latest_loss:
-            del hand_outs[0]
-            return UNSCALED
-        if latest_loss:
-            del context.scaled_losses[0]
-            return SCALED
-        if _computed_here(grads):
+        if _computed_without_the_scale(grads, scale_variable):
             return NEVER_SCALED
-        return AT_RUN_TIME
+        return SCALED
 
     def applied(self) -> None:
         """A step was applied in this context."""
@@ -237,32 +194,114 @@ class Ledger:
         applied, context.applied = context.applied, False
         return applied
 
-    @staticmethod
-    def _consume(hand_outs: list, matches) -> None:
-        for i, hand_out in enumerate(hand_outs):
-            if matches(hand_out):
-                del hand_outs[i]
-                return
+    def scaled_here(self) -> bool:
+        """Whether a loss was scaled in this context (eagerly: since the last
+        apply). For a warning only, never for a decision."""
+        return bool(self._context().scaled_losses)
 
 
-def _computed_here(grads) -> bool:
-    """Whether the gradients are ops of this step's graphs (the graph being
-    built or one enclosing it, up to its function; not the function's inputs
-    or captured values): computed in this step, from a loss no one scaled
-    here. Eager values carry no such record."""
-    step = _step_graphs()
-    if not step:
-        return False
-    found = False
+def _tensors(grads) -> list:
+    out = []
     for g in grads:
         if g is None:
             continue
-        tensor = g.values if isinstance(g, tf.IndexedSlices) else g
-        op = getattr(tensor, "op", None)
-        owner = getattr(tensor, "graph", None)
-        if op is None or not any(owner is s for s in step):
+        if isinstance(g, tf.IndexedSlices):
+            out.extend([g.values, g.indices])
+        else:
+            out.append(g)
+    return out
+
+
+def _handles(variable) -> set[int]:
+    """ids of the resource handles a read of `variable` starts from (one per
+    replica under a tf.distribute strategy)."""
+    found = set()
+    candidates = [variable, getattr(variable, "value", None)]
+    values = getattr(variable, "values", None)
+    if isinstance(values, (list, tuple)):
+        candidates.extend(values)
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        inner = getattr(candidate, "_value", candidate)  # keras.Variable
+        for v in [inner, *getattr(inner, "values", ())]:
+            handle = getattr(v, "handle", None)
+            if handle is not None:
+                found.add(id(handle))
+    return found
+
+
+@tf.autograph.experimental.do_not_convert
+def _computed_without_the_scale(grads, scale_variable) -> bool:
+    """Whether every gradient is computed by ops of this step's graphs (none
+    is an argument or a captured value itself) and none of them reads the
+    loss scale (directly, or as an input of a call of another function):
+    then they cannot hold the scale."""
+    graphs = _step_graphs()
+    tensors = _tensors(grads)
+    if not graphs or not tensors:
+        return False
+    in_step = {id(g) for g in graphs}
+    # The handle's captures, from the outermost graph inwards; and the values
+    # an inner graph (a loop or cond body) captured from an enclosing one.
+    scale = _handles(scale_variable)
+    outer_value = {}
+    for graph in reversed(graphs):
+        for external, internal in getattr(graph, "captures", ()):
+            if id(external) in scale:
+                scale.add(id(internal))
+            if id(getattr(external, "graph", None)) in in_step:
+                outer_value[id(internal)] = external
+
+    def source(t):
+        while id(t) in outer_value:
+            t = outer_value[id(t)]
+        return t
+
+    for t in tensors:
+        t = source(t)
+        op = getattr(t, "op", None)
+        if op is None or id(getattr(t, "graph", None)) not in in_step:
             return False
         if op.type == "Placeholder":
+            return False  # handed into the function as a value
+    seen: set[int] = set()
+    stack = [source(t) for t in tensors]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if id(t) in scale:
             return False
-        found = True
-    return found
+        for inp in t.op.inputs:
+            inp = source(inp)
+            if id(inp) not in seen:
+                stack.append(inp)
+    return True
+
+
+NEVER_SCALED_WARNING = (
+    "kmp.LossScaleOptimizer.apply() received the gradients of a loss that was "
+    "never scaled (a custom train_step or loop that does not call scale_loss; "
+    "kmp read it from the traced step: no loss was scaled and the gradients "
+    "never met the loss scale). kmp applies them as they are, so the updates "
+    "have the right size, but float16 gradients may underflow without "
+    "scaling. Scale the loss before taking gradients: "
+    "loss = self.optimizer.scale_loss(loss)"
+)
+
+
+def eager_warning(scale: float) -> str:
+    """The warning for gradients applied eagerly with no loss scaled since
+    the last apply (a fact kmp can see, not a decision)."""
+    return (
+        "kmp.LossScaleOptimizer.apply() received gradients eagerly, and no loss "
+        "was scaled since the last apply. By Keras 3's contract they are the "
+        "gradients of scale_loss(loss), so kmp unscales them: each update is "
+        f"divided by the loss scale ({scale:g} now). If the loss was never "
+        "scaled (a custom train_step run eagerly, a custom loop), scale it "
+        "before taking gradients, loss = optimizer.scale_loss(loss); if the "
+        "gradients are unscaled, say so: optimizer.apply(grads, variables, "
+        "scaled=False); if they are scaled, scaled=True silences this."
+    )

@@ -299,3 +299,118 @@ def test_guard_without_loss_scaling_acts_on_skipped_steps_and_no_weight_is_poiso
     assert info.value.cause == "forward"  # the loss itself is NaN
     assert int(model.optimizer.skipped_steps_total) == 3
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def counting_optimizer(*args, **kwargs):
+    """A kmp.LossScaleOptimizer that notes every eager read of its
+    `consecutive_skips` (each a device-to-host copy), and a callback that
+    counts the batch ends; `reads` holds the batch ends seen at each read."""
+    reads, ends = [], [0]
+
+    class CountingLossScaleOptimizer(kmp.LossScaleOptimizer):
+        @property
+        def consecutive_skips(self):
+            if tf.executing_eagerly():
+                reads.append(ends[0])
+            return super().consecutive_skips
+
+    def count(batch, logs):
+        ends[0] += 1
+
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=count)
+    return CountingLossScaleOptimizer(*args, **kwargs), counter, reads, ends
+
+
+def test_guard_reads_the_skips_from_the_logs_not_the_device_per_batch():
+    model = blown_model(1e6, compile_model=False)
+    opt, counter, reads, ends = counting_optimizer(
+        keras.optimizers.Adam(1e-3), initial_scale=1024
+    )
+    kmp.compile(model, optimizer=opt, loss="mse")
+    x, y = data(256)
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError) as info:
+        model.fit(x, y, batch_size=32, epochs=5, verbose=0,
+                  callbacks=[counter, guard])  # fmt: skip
+    # The same step as with a read per batch: the scale reached its floor
+    # at step 10 (1024 -> 1), in epoch 2.
+    assert ends[0] == 10 and int(opt.skipped_steps_total) == 10
+    assert float(opt.loss_scale) == 1.0 and info.value.cause == "forward"
+    # One read, at the start of fit, none per batch: the logs carry the rest.
+    assert reads == [0]
+
+
+def test_guard_follows_the_logs_with_steps_per_execution_and_mixed_steps():
+    # No loss scaling (bfloat16): the guard acts on 3 skipped steps in a row.
+    kmp.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt, counter, reads, ends = counting_optimizer("sgd", mode="none")
+    kmp.compile(model, optimizer=opt, loss="mse", steps_per_execution=4)
+    # Logs come at steps 4, 8 and 12; "N" is a non-finite batch.
+    pattern = ".NN." + "N.NN" + "NNNN" + "...."
+    x = np.ones((8 * len(pattern), 2), "float32")
+    for i, step in enumerate(pattern):
+        if step == "N":
+            x[8 * i : 8 * i + 8] = np.nan
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError, match="no loss scaling"):
+        model.fit(x, np.ones((len(x), 1)), batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[counter, guard])  # fmt: skip
+    # Step 4: 0 in a row; step 8: 2 (the logs allow 0 to 3: one read);
+    # step 12: 6, collapsed, known from the logs alone.
+    assert ends[0] == 3 and int(opt.skipped_steps_total) == 9
+    assert reads == [0, 2]
+
+
+def test_guard_reads_the_device_per_batch_when_the_logs_lack_the_skips():
+    class OwnLogs(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                scaled = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}  # no telemetry in these logs
+
+    kmp.set_policy("mixed_float16")
+    model = OwnLogs(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(16, activation="relu", name="blown"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    kernel = model.get_layer("blown").kernel
+    kernel.assign(kernel * 1e6)
+    opt, counter, reads, ends = counting_optimizer(
+        keras.optimizers.Adam(1e-3), initial_scale=1024
+    )
+    kmp.compile(model, optimizer=opt, loss="mse")
+    x, y = data(256)
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    with pytest.raises(TrainingCollapsedError) as info:
+        model.fit(x, y, batch_size=32, epochs=5, verbose=0,
+                  callbacks=[counter, guard])  # fmt: skip
+    assert "skipped_steps_total" not in model.history.history
+    assert ends[0] == 10 and int(opt.skipped_steps_total) == 10
+    assert info.value.cause == "forward"
+    # One read at the start of fit, then one per batch: nothing else to go on.
+    assert reads == list(range(11))
+
+
+def test_guard_counts_the_skips_in_a_row_across_fits():
+    kmp.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt, counter, reads, ends = counting_optimizer("sgd", mode="none")
+    kmp.compile(model, optimizer=opt, loss="mse")
+    guard = NonFiniteGuard(max_consecutive_skips=3)
+    x = np.ones((32, 2), "float32")
+    x[16:] = np.nan  # the last two of four steps are skipped
+    fit = dict(batch_size=8, shuffle=False, verbose=0, callbacks=[counter, guard])
+    model.fit(x, np.ones((32, 1)), **fit)
+    assert guard.diagnosis is None and int(opt.skipped_steps_total) == 2
+    with pytest.raises(TrainingCollapsedError):  # the third in a row
+        model.fit(np.flip(x, 0), np.ones((32, 1)), **fit)
+    assert ends[0] == 5 and reads == [0, 4]  # at the start of each fit

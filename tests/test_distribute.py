@@ -120,7 +120,7 @@ def test_scaled_gradient_tape_loop_with_strategy_run(mirrored):
                 pred = tf.cast(model(bx), tf.float32)
                 loss = tf.reduce_sum(tf.square(pred - by)) / 16.0
             grads = tape.gradient(loss, model.trainable_variables)
-            return opt.apply(grads, model.trainable_variables)
+            return opt.apply(grads, model.trainable_variables, scaled=False)
 
         return dist.run(replica_step, args=(batch,))
 

@@ -199,3 +199,30 @@ def test_doctor_says_what_to_quantize_to_where_auto_picks_float16(monkeypatch):
     assert any("model.quantize('int8')" in n and "'int4'" in n for n in notes)
     monkeypatch.setenv("KMP_POLICY", "mixed_bfloat16")
     assert not any("model.quantize" in n for n in kmp.doctor().warnings)
+
+
+def test_doctor_states_the_process_wide_remapper_setting_on_a_cpu(capsys, monkeypatch):
+    monkeypatch.setattr(hardware, "capabilities", lambda: caps())
+    kmp.set_policy("mixed_float16")
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "remapper off in this process while a float16 policy" in out
+    assert "process-wide" in out and "changes it for both" in out
+    assert "separate processes" in out
+    assert kmp.doctor().to_dict()["remapper"] == {
+        "enabled": False,
+        "managed": True,
+        "set_by_kmp": True,
+        "decided_by": "float16",
+    }
+    kmp.set_policy("float32")
+    (note,) = [w for w in kmp.doctor().warnings if "process-wide" in w]
+    assert note.startswith("Grappler remapping is on in this process.")
+
+
+def test_doctor_is_silent_on_the_remapper_where_kmp_never_switches_it(monkeypatch):
+    monkeypatch.setattr(hardware, "capabilities", lambda: caps(gpus=[("A100", (8, 0))]))
+    kmp.set_policy("mixed_float16")
+    report = kmp.doctor()
+    assert report.remapper.enabled and not report.remapper.managed
+    assert not any("remapp" in w for w in report.warnings)

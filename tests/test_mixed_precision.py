@@ -143,7 +143,9 @@ def test_the_one_line_that_brings_kmps_loss_scaling_to_fit():
     mixed_precision.set_global_policy("mixed_float16")
     model, _, _ = guide_model()
     kmp.compile(model, loss="sparse_categorical_crossentropy", optimizer="rmsprop")
-    assert isinstance(model.optimizer, mixed_precision.LossScaleOptimizer)
+    # Keras 3's contract, which fit's trainer follows (not tf.keras 2's).
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+    assert not isinstance(model.optimizer, mixed_precision.LossScaleOptimizer)
     x, y = digits_like(64, 3)
     history = model.fit(x, y, batch_size=32, verbose=0)
     assert "loss_scale" in history.history
@@ -163,10 +165,12 @@ def test_tf_keras_2_loss_scale_optimizer_arguments():
     )
     assert fixed.mode == "static" and not fixed.dynamic
     assert fixed.dynamic_counter is None and float(fixed.loss_scale) == 128.0
-    # A kmp optimizer from anywhere is one (user code tests with isinstance).
-    assert isinstance(kmp.LossScaleOptimizer("sgd"), mixed_precision.LossScaleOptimizer)
-    assert not isinstance(keras.optimizers.SGD(), mixed_precision.LossScaleOptimizer)
-    assert issubclass(kmp.LossScaleOptimizer, mixed_precision.LossScaleOptimizer)
+    # Its type says its contract: a kmp optimizer, with tf.keras 2's apply.
+    assert isinstance(opt, kmp.LossScaleOptimizer)
+    assert not isinstance(kmp.LossScaleOptimizer("sgd"), type(opt))
+    clone = keras.optimizers.deserialize(keras.optimizers.serialize(fixed))
+    assert type(clone) is mixed_precision.LossScaleOptimizer
+    assert (clone.mode, float(clone.loss_scale)) == ("static", 128.0)
 
 
 @pytest.mark.parametrize(
@@ -212,8 +216,61 @@ def test_the_guides_fit_without_kmp_compile_is_named_once(caplog):
     assert not [r for r in caplog.records if "model.compile" in r.getMessage()]
 
 
-def test_subclassing_the_tf_keras_2_constructor_is_refused():
-    with pytest.raises(TypeError, match=r"Subclass kmp\.LossScaleOptimizer instead"):
+def test_fit_refuses_the_tf_keras_2_contract_with_the_fix():
+    # Keras's train_step hands apply_gradients the gradients of scale_loss,
+    # which tf.keras 2's apply_gradients does not take.
+    mixed_precision.set_global_policy("mixed_float16")
+    x, y = digits_like(64, 3)
+    model, _, _ = guide_model()
+    tf_keras_2 = mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())
+    model.compile(loss="sparse_categorical_crossentropy", optimizer=tf_keras_2)
+    with pytest.raises(kmp.LossScaleError, match=r"kmp\.compile\(model, optimizer"):
+        model.fit(x, y, batch_size=32, verbose=0)
+    with pytest.raises(ValueError, match=r"optimizer=optimizer\.inner_optimizer"):
+        kmp.compile(
+            guide_model()[0],
+            loss="sparse_categorical_crossentropy",
+            optimizer=tf_keras_2,
+        )
 
-        class Mine(mixed_precision.LossScaleOptimizer):
-            pass
+
+class TfKeras2StepModel(keras.Model):
+    """A train_step written for tf.keras 2's mixed-precision API."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled_loss = self.optimizer.get_scaled_loss(loss)
+        scaled = tape.gradient(scaled_loss, self.trainable_variables)
+        grads = self.optimizer.get_unscaled_gradients(scaled)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))  # noqa: B905
+        return self.get_metrics_result()
+
+
+def regression_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+
+
+def test_a_tf_keras_2_train_step_trains_as_written_under_kmp_compile():
+    x = np.random.RandomState(0).randn(64, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    mixed_precision.set_global_policy("mixed_float16")
+    # The reference: the same model with Keras's own train_step, kmp.compile.
+    reference = regression_model(keras.Model)
+    kmp.compile(reference, optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    initial = reference.get_weights()
+    model = regression_model(TfKeras2StepModel)
+    model.set_weights(initial)
+    optimizer = mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+    kmp.compile(model, optimizer=optimizer, loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    expected = reference.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 0.1  # it trained
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert history.history["loss_scale"] == expected.history["loss_scale"]
+    assert int(optimizer.iterations) + int(optimizer.skipped_steps_total) == 8

@@ -716,7 +716,17 @@ def test_a_large_custom_output_layer_keeps_its_policy_and_a_small_head_does_not(
     assert small.predict(np.ones((1, 64)), verbose=0).dtype == np.float32
 
 
-def test_returned_attention_scores_keep_their_dtype_in_user_code_under_float16():
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda y, scores: y * keras.ops.mean(scores),  # raw: raises on float32
+        lambda y, scores: keras.ops.multiply(y, keras.ops.mean(scores)),  # promotes
+    ],
+    ids=["raw product", "keras.ops product"],
+)
+def test_returned_attention_scores_keep_their_dtype_in_user_code_under_float16(
+    combine,
+):
     class Block(keras.layers.Layer):
         def __init__(self):
             super().__init__(name="block")
@@ -724,7 +734,7 @@ def test_returned_attention_scores_keep_their_dtype_in_user_code_under_float16()
 
         def call(self, x):
             y, scores = self.att(x, x, return_attention_scores=True)
-            return y * keras.ops.mean(scores)  # raw product with the scores
+            return combine(y, scores)
 
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((5, 8))
@@ -733,8 +743,73 @@ def test_returned_attention_scores_keep_their_dtype_in_user_code_under_float16()
     assert block.att.query_dense.compute_dtype == "float32"
     assert block.att._softmax.compute_dtype == "float16"
     softmax = f"block/{block.att.name}/{block.att._softmax.name}"
-    assert kmp.planning.plan(model).decision(softmax).rule == planning.SCORES_KEPT
+    decision = kmp.planning.plan(model).decision(softmax)
+    assert decision.rule == planning.SCORES_KEPT
+    assert f"kmp.set_layer_policy('name:{softmax}', 'float32')" in decision.note
     assert np.isfinite(model.predict(np.ones((2, 5, 8)), verbose=0)).all()
+
+
+class AttentionBlock(keras.layers.Layer):
+    """A transformer block's attention, called by user code (a raw residual
+    add): kmp cannot see where what the attention returns goes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # dropout > 0: Keras computes the scores and calls its Softmax layer
+        # (with no dropout and no scores returned it takes its fused path).
+        self.att = keras.layers.MultiHeadAttention(4, 16, dropout=0.1)
+
+    def call(self, x, training=None):
+        return x + self.att(x, x, training=training)
+
+
+@pytest.mark.parametrize(
+    "policy, mode",
+    [
+        ("mixed_float16", "auto"),
+        ("mixed_float16", "float32"),
+        ("mixed_bfloat16", "float32"),
+    ],
+)
+def test_attention_in_user_code_gets_a_float32_softmax_when_its_scores_stay_inside(
+    policy, mode
+):
+    def model_under(policy):
+        kmp.set_policy(policy)
+        inputs = keras.Input((16, 64))
+        block = AttentionBlock(name="block")
+        return keras.Model(inputs, keras.layers.Dense(4)(block(inputs))), block
+
+    compute = COMPUTE[policy]
+    # Inputs the block's cast to the compute dtype leaves exact.
+    x = np.random.RandomState(0).randn(2, 16, 64) * 256
+    x = np.asarray(keras.ops.cast(keras.ops.cast(x, compute), "float32"))
+    reference, ref_block = model_under("float32")
+    query, key = ref_block.att.query_dense(x), ref_block.att.key_dense(x)
+    logits = keras.ops.einsum("btnh,bsnh->bnts", query, key) / 4.0
+    assert float(keras.ops.max(keras.ops.abs(logits))) > 65504  # overflow in float16
+    kmp.rules.set_attention_scores(mode)
+    model, block = model_under(policy)
+    model.set_weights(reference.get_weights())
+    kmp.planning.plan(model)  # traces the model under the plan, then restores it
+    assert block.att._softmax.compute_dtype == compute
+    kmp.prepare(model)
+    y = np.asarray(model(x, training=False))
+    assert np.isfinite(y).all()
+    assert relative_error(y, reference(x, training=False)) < RELATIVE[compute]
+    assert np.isfinite(np.asarray(model(x, training=True))).all()
+    # The float32 scores reach a float32 softmax: nothing rounds them.
+    softmax = block.att._softmax
+    decision = kmp.planning.plan(model).decision(
+        f"block/{block.att.name}/{softmax.name}"
+    )
+    assert decision.rule == planning.ATTENTION_SCORES
+    assert softmax.compute_dtype == "float32"
+    assert block.att.query_dense.compute_dtype == "float32"
+    # Interfaces keep their dtype: the attention and the block return the
+    # compute dtype, as before.
+    assert dtype_of(block.att(x, x)) == compute
+    assert dtype_of(block(x)) == compute
 
 
 def test_a_sensitive_layer_before_a_layer_that_casts_inside_is_an_island():

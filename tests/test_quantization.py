@@ -211,6 +211,7 @@ def _train(model, optimizer, path, steps=6):
         return
     optimizer.build(model.trainable_variables)
     scaled = isinstance(optimizer, kmp.LossScaleOptimizer)
+    stated = {"scaled": False} if scaled else {}
 
     @tf.function
     def step(x, y):
@@ -219,7 +220,8 @@ def _train(model, optimizer, path, steps=6):
             pred = tf.cast(model(x, training=True), tf.float32)
             loss = tf.reduce_mean(tf.square(pred - y))
         grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
+        # The tape's gradients are unscaled: stated (a plain optimizer takes them).
+        optimizer.apply(grads, model.trainable_variables, **stated)
 
     for i in range(steps):
         step(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)])

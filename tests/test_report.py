@@ -4,6 +4,7 @@ import keras
 import pytest
 
 import kmp
+from kmp import hardware
 from kmp import planning
 
 
@@ -84,3 +85,55 @@ def test_report_without_trace_and_for_subclassed_models():
 def test_report_rejects_non_models():
     with pytest.raises(TypeError, match="expects a Keras model"):
         kmp.precision_report("model")
+
+
+CPU_ONLY = hardware.Capabilities(hardware.CPUInfo("test cpu", 2, frozenset()), (), 0)
+WITH_GPU = hardware.Capabilities(
+    hardware.CPUInfo("test cpu", 2, frozenset()),
+    (hardware.GPUInfo("A100", (8, 0)),),
+    0,
+)
+
+
+def mlp():
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)]
+    )
+
+
+def test_the_report_states_the_process_wide_remapper_setting_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(hardware, "capabilities", lambda: CPU_ONLY)
+    kmp.set_policy("mixed_float16")
+    half = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    note = kmp.precision_report(half).remapper
+    assert note.startswith("Grappler remapping: off now, for every model")
+    assert "process-wide" in note and "changes it for both" in note
+    assert "separate processes" in note and "kmp.set_policy('mixed_float16')" in note
+    assert note in str(kmp.precision_report(half)).replace("\n", " ")
+    # A float32 model compiled after it turns the remapper on, for both.
+    with kmp.policy_scope("float32"):
+        single = mlp()
+    kmp.compile(single, optimizer="sgd", loss="mse")
+    note = kmp.precision_report(half).remapper
+    assert note.startswith("Grappler remapping: ON now")
+    assert "kmp.compile (for float32)" in note
+    assert "~50x slower" in note and "kmp.set_policy('mixed_float16')" in note
+    assert kmp.precision_report(single).remapper == ""  # on: what it wants
+    # Back to float16: now the float32 model trains with the remapper off.
+    kmp.set_policy("mixed_float16")
+    note = kmp.precision_report(single).remapper
+    assert note.startswith("Grappler remapping: off now") and "process-wide" in note
+    assert "kmp.set_policy('float32')" in note
+
+
+def test_the_report_is_silent_on_the_remapper_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setattr(hardware, "capabilities", lambda: CPU_ONLY)
+    for policy in ("float32", "mixed_bfloat16"):  # kmp leaves it on
+        kmp.set_policy(policy)
+        report = kmp.precision_report(kmp.compile(mlp(), optimizer="sgd", loss="mse"))
+        assert report.remapper == "" and "remapping" not in str(report), policy
+    # With a GPU, kmp never switches it: float16 says nothing either.
+    monkeypatch.setattr(hardware, "capabilities", lambda: WITH_GPU)
+    kmp.set_policy("mixed_float16")
+    report = kmp.precision_report(kmp.compile(mlp(), optimizer="sgd", loss="mse"))
+    assert report.remapper == "" and "remapping" not in str(report)

@@ -52,7 +52,7 @@ def test_a_training_step_applies_finite_and_skips_overflowing_gradients(compiled
             loss = loss_fn(model, x, y)
         grads = tape.gradient(loss, model.trainable_variables)
         grads, _ = tf.clip_by_global_norm(grads, 1.0)
-        return opt.apply(grads, model.trainable_variables)
+        return opt.apply(grads, model.trainable_variables, scaled=False)
 
     if compiled:
         step = tf.function(step)
@@ -79,7 +79,9 @@ def test_scale_changes_do_not_retrace_the_step():
         with kmp.ScaledGradientTape(opt) as tape:
             loss = loss_fn(model, x, y)
         return opt.apply(
-            tape.gradient(loss, model.trainable_variables), model.trainable_variables
+            tape.gradient(loss, model.trainable_variables),
+            model.trainable_variables,
+            scaled=False,
         )
 
     bad = x.copy()
@@ -114,7 +116,7 @@ def test_persistent_tape_gives_unscaled_gradients_twice():
 
 
 def test_gradients_from_a_tf_function_applied_eagerly_are_unscaled_once():
-    """The unscaled-gradients marker is runtime state, not trace-time state."""
+    """Gradients a tf.function's tape handed out, applied eagerly as stated."""
     kmp.set_policy("mixed_float16")
     w = keras.Variable(np.zeros(2, "float32"))
     opt = kmp.LossScaleOptimizer(
@@ -129,7 +131,7 @@ def test_gradients_from_a_tf_function_applied_eagerly_are_unscaled_once():
 
     for step in range(3):
         before = w.numpy().copy()
-        assert bool(opt.apply(gradients(), [w]))
+        assert bool(opt.apply(gradients(), [w], scaled=False))
         np.testing.assert_allclose(before - w.numpy(), [1.0, 2.0], err_msg=str(step))
 
 
@@ -144,7 +146,7 @@ def test_float16_variables_are_unscaled_in_float32():
         max_scale=2.0**16,
     )
     scaled = tf.constant([1024.0, 2048.0, 4096.0], tf.float16)  # 2**16 x [1/64, ...]
-    assert bool(opt.apply([scaled], [w]))
+    assert bool(opt.apply([scaled], [w], scaled=True))
     np.testing.assert_array_equal(
         w.numpy(), np.array([1 - 1 / 64, 1 - 1 / 32, 1 - 1 / 16], "float16")
     )
@@ -176,7 +178,7 @@ def test_gradient_penalty_gradient_of_a_gradient():
         np.testing.assert_allclose(a, b, rtol=3e-2, atol=1e-3)
 
 
-def test_tf_keras_2_style_scaled_loss_and_unscaled_gradients():
+def test_get_unscaled_gradients_applied_as_stated_unscaled():
     model, opt = setup_model(initial_scale=1024)
     x, y = data()
 
@@ -187,7 +189,9 @@ def test_tf_keras_2_style_scaled_loss_and_unscaled_gradients():
             scaled_loss = opt.get_scaled_loss(loss)
         scaled = tape.gradient(scaled_loss, model.trainable_variables)
         grads = opt.get_unscaled_gradients(scaled)
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        opt.apply_gradients(
+            zip(grads, model.trainable_variables, strict=True), scaled=False
+        )
         return grads
 
     with tf.GradientTape() as plain:
@@ -211,7 +215,7 @@ def test_tape_with_mode_none_is_a_plain_tape():
     grads = tape.gradient(loss, model.trainable_variables)
     for g, e in zip(grads, plain_gradients(model, x, y), strict=True):
         np.testing.assert_array_equal(g, e)
-    assert bool(opt.apply(grads, model.trainable_variables))
+    assert bool(opt.apply(grads, model.trainable_variables, scaled=False))
     assert float(opt.loss_scale) == 1.0
 
 
