@@ -12,6 +12,10 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
 )
+# Every device platform starts here, before any test captures standard
+# error: where TensorFlow probes CUDA only when GPUs are listed, its cuInit
+# notice would otherwise land in the first test that lists them.
+tf.config.list_physical_devices()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

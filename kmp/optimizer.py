@@ -62,21 +62,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     Whether the gradients handed to `apply` are scaled is stated, never
     guessed (`kmp.unscaling`):
 
-    * `apply(grads, vars)`, `apply_gradients(pairs)` (what `fit` and Keras 3
-      loops call): the gradients of `scale_loss(loss)`; kmp unscales them.
-      `scaled=True` says the same explicitly.
-    * `apply(grads, vars, scaled=False)`: unscaled gradients (those of
-      `kmp.ScaledGradientTape`, of `get_unscaled_gradients`, or of a loss
-      never scaled), applied as they are.
-    * A traced custom `train_step` that never calls `scale_loss`: kmp reads
-      from the trace that its gradients never met the scale and applies
-      them as they are, with a one-time warning naming the line to add.
+        you hand over                 call                        kmp
+        ----------------------------  --------------------------  ------------
+        the gradients of              apply(grads, vars) or       unscales them
+        scale_loss(loss): fit,        apply_gradients(pairs);
+        Keras 3 custom loops          scaled=True says it
+        those of ScaledGradientTape,  apply(grads, vars,          applies them
+        of get_unscaled_gradients,    scaled=False)               as they are
+        or of a loss never scaled
+        those of a traced custom      apply(grads, vars)          as they are
+        train_step that never calls                               (read from the
+        scale_loss                                                trace), warns
+        tf.keras 2's three calls      kmp.mixed_precision         as they are
+                                      .LossScaleOptimizer's
+                                      apply_gradients
 
-    Passing unscaled gradients handed out in the same step to `apply` without
-    `scaled=False` is an error, as is scaling a loss inside a recording
-    `ScaledGradientTape`. tf.keras 2 code keeps tf.keras 2's contract
-    (`apply_gradients` takes unscaled gradients) through
-    `kmp.mixed_precision.LossScaleOptimizer`.
+    Where kmp cannot tell, it asks (`kmp.LossScaleError`, naming `scaled=`):
+    unscaled gradients handed out in the same step passed without
+    `scaled=False`; an eager `apply` with no loss scaled since the last one;
+    once the optimizer has handed out unscaled gradients, any `apply` with
+    no loss scaled in its step. So is scaling a loss inside a recording
+    `ScaledGradientTape`.
 
     With `mode='none'` nothing is scaled, but a step whose gradients are
     inf/NaN is still skipped and counted: `kmp.compile` uses it for models
@@ -421,9 +427,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             A scalar bool tensor: whether the step was applied.
 
         Raises:
-            kmp.loss_scale.LossScaleError: for gradients the contract cannot
-                take (unscaled gradients handed out in this step, without
-                `scaled=False`).
+            kmp.LossScaleError: where `scaled` is not given and kmp cannot
+                tell (see the class docstring).
         """
         if scaled is not None and not isinstance(scaled, bool):
             raise TypeError(
@@ -468,8 +473,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _as_unscaled(self, grads, variables, scaled):
         """The gradients as the inner optimizer must see them: unscaled."""
-        eager = tf.executing_eagerly()
-        scaled_here = self._ledger.scaled_here()
         decision = self._ledger.decide(
             grads, scaled, self.contract, self._scale.value, self._scale.scaling
         )
@@ -477,13 +480,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return grads
         if decision == unscaling.NEVER_SCALED:
             self._warn_once("never scaled", unscaling.NEVER_SCALED_WARNING)
-        elif (
-            decision == unscaling.SCALED
-            and eager
-            and scaled is None
-            and not (scaled_here)
-        ):
-            self._warn_once("eager", unscaling.eager_warning(float(self._scale.value)))
         if decision == unscaling.SCALED:
             return self._scale.unscale(grads, variables)
         return grads

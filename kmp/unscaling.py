@@ -21,21 +21,25 @@ the gradients `get_unscaled_gradients` returned)
 
 One exception to Keras 3's contract is decided by kmp, and only where it is
 exact: in a traced step (a `tf.function`, such as the step `fit` traces)
-that scaled no loss, handed out no unscaled gradients, and whose gradients
-are computed in that trace without reading the loss scale (a custom
-`train_step` that never calls `scale_loss`), the gradients cannot hold the
-scale: they are applied as they are, with a one-time warning naming the
-line to add. Gradients that enter the traced function as values (its
-arguments or captured tensors) follow the contract.
+that scaled no loss and whose optimizer never handed out unscaled
+gradients, gradients computed by a tape's backward pass in that trace
+without reading the loss scale (a custom `train_step` that never calls
+`scale_loss`) cannot hold the scale: they are applied as they are, with a
+one-time warning naming the line to add. Gradients that enter the traced
+function as values (its arguments, captured tensors, a variable's value,
+or what is computed from those alone) follow the contract.
 
 What kmp records, per step context (the outermost graph being traced, or
 eager execution) since the last `apply` there, is used to refuse sequences
 that the contract makes wrong, never to decide: gradients handed out
 unscaled and then passed to an `apply` that would unscale them again, a
 loss scaled inside a recording `ScaledGradientTape` (which scales it
-already), scaled gradients passed to a tf.keras 2 `apply_gradients`. The
-records are Python objects of this process: never saved, never shared
-between contexts.
+already), scaled gradients passed to a tf.keras 2 `apply_gradients`. Two
+more refusals where kmp cannot tell: an `apply` with no loss scaled in its
+context once the optimizer has handed out unscaled gradients anywhere (a
+tape in another function), and an eager `apply` with no loss scaled since
+the last one. The records are Python objects of this process, never
+saved; `scaled=` always decides.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class Ledger:
     def __init__(self):
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._eager = _Context()
+        # Whether unscaled gradients were ever handed out (for refusals only).
+        self._handed_out_before = False
 
     def _context(self) -> _Context:
         graphs = _step_graphs()
@@ -118,6 +124,7 @@ class Ledger:
     def handed_out(self) -> None:
         """Unscaled gradients were handed out here."""
         self._context().hand_outs += 1
+        self._handed_out_before = True
 
     # --- what apply does --------------------------------------------------
 
@@ -177,8 +184,29 @@ class Ledger:
                 "gradients of scale_loss(loss). (To look at gradients without "
                 "applying them, a plain tf.GradientTape hands out nothing.)"
             )
-        if eager or context.scaled_losses:
+        if context.scaled_losses:
             return SCALED
+        if self._handed_out_before:
+            raise LossScaleError(
+                "apply() received gradients with no loss scaled here, and this "
+                "optimizer has handed out unscaled gradients before (by "
+                "kmp.ScaledGradientTape.gradient or get_unscaled_gradients), "
+                "perhaps in another function: kmp cannot tell which these are. "
+                "Say so: optimizer.apply(grads, variables, scaled=False) for "
+                "unscaled gradients, scaled=True for the gradients of "
+                "scale_loss(loss)."
+            )
+        if eager:
+            raise LossScaleError(
+                "apply() received gradients eagerly, and no loss was scaled "
+                "since the last apply: kmp cannot tell whether they are the "
+                "gradients of scale_loss(loss) (Keras's own wrapper assumes so "
+                "and divides them by the loss scale) or of a loss never scaled "
+                "(a custom train_step run eagerly). Scale the loss before taking "
+                "gradients, loss = optimizer.scale_loss(loss), or say which "
+                "they are: optimizer.apply(grads, variables, scaled=True) or "
+                "scaled=False."
+            )
         if _computed_without_the_scale(grads, scale_variable):
             return NEVER_SCALED
         return SCALED
@@ -231,12 +259,38 @@ def _handles(variable) -> set[int]:
     return found
 
 
+# TensorFlow's GradientTape builds every gradient op of a traced backward
+# pass under this name scope (tensorflow/python/eager/backprop.py).
+_BACKWARD_SCOPE = "gradient_tape/"
+_LEAVES = ("Placeholder", "ReadVariableOp", "VarHandleOp", "Const")
+
+
+def _from_a_backward_pass(tensor, source) -> bool:
+    """Whether `tensor` is computed, in this trace, from the output of a
+    tape's backward pass (an op in its name scope), before any leaf."""
+    seen: set[int] = set()
+    stack = [tensor]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        op = t.op
+        if _BACKWARD_SCOPE in op.name:
+            return True
+        if op.type in _LEAVES:
+            continue
+        stack.extend(source(i) for i in op.inputs)
+    return False
+
+
 @tf.autograph.experimental.do_not_convert
 def _computed_without_the_scale(grads, scale_variable) -> bool:
-    """Whether every gradient is computed by ops of this step's graphs (none
-    is an argument or a captured value itself) and none of them reads the
-    loss scale (directly, or as an input of a call of another function):
-    then they cannot hold the scale."""
+    """Whether every gradient is computed in this step's graphs by a tape's
+    backward pass (not an argument, a captured value or a variable's value,
+    nor computed from those alone) and none of them reads the loss scale
+    (directly, or as an input of a call of another function): then they are
+    the gradients of a loss no one scaled."""
     graphs = _step_graphs()
     tensors = _tensors(grads)
     if not graphs or not tensors:
@@ -265,6 +319,8 @@ def _computed_without_the_scale(grads, scale_variable) -> bool:
             return False
         if op.type == "Placeholder":
             return False  # handed into the function as a value
+        if not _from_a_backward_pass(t, source):
+            return False  # e.g. a value read from a variable, or an argument
     seen: set[int] = set()
     stack = [source(t) for t in tensors]
     while stack:
@@ -284,24 +340,9 @@ def _computed_without_the_scale(grads, scale_variable) -> bool:
 NEVER_SCALED_WARNING = (
     "kmp.LossScaleOptimizer.apply() received the gradients of a loss that was "
     "never scaled (a custom train_step or loop that does not call scale_loss; "
-    "kmp read it from the traced step: no loss was scaled and the gradients "
-    "never met the loss scale). kmp applies them as they are, so the updates "
-    "have the right size, but float16 gradients may underflow without "
+    "kmp read it from the traced step: no loss was scaled, and a backward "
+    "pass there computed the gradients without meeting the loss scale). kmp "
+    "applies them as they are, but float16 gradients may underflow without "
     "scaling. Scale the loss before taking gradients: "
     "loss = self.optimizer.scale_loss(loss)"
 )
-
-
-def eager_warning(scale: float) -> str:
-    """The warning for gradients applied eagerly with no loss scaled since
-    the last apply (a fact kmp can see, not a decision)."""
-    return (
-        "kmp.LossScaleOptimizer.apply() received gradients eagerly, and no loss "
-        "was scaled since the last apply. By Keras 3's contract they are the "
-        "gradients of scale_loss(loss), so kmp unscales them: each update is "
-        f"divided by the loss scale ({scale:g} now). If the loss was never "
-        "scaled (a custom train_step run eagerly, a custom loop), scale it "
-        "before taking gradients, loss = optimizer.scale_loss(loss); if the "
-        "gradients are unscaled, say so: optimizer.apply(grads, variables, "
-        "scaled=False); if they are scaled, scaled=True silences this."
-    )

@@ -157,13 +157,13 @@ def test_eager_custom_loop_fuses_per_variable_list():
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), fused_update=True)
     opt.build([a, b])
     scale = float(opt.loss_scale)
-    opt.apply([tf.fill((4,), scale), tf.fill((3,), scale)], [a, b])
-    opt.apply([tf.fill((4,), scale)], [a])  # a second list of variables
+    opt.apply([tf.fill((4,), scale), tf.fill((3,), scale)], [a, b], scaled=True)
+    opt.apply([tf.fill((4,), scale)], [a], scaled=True)  # a second list of variables
     np.testing.assert_allclose(a.numpy(), np.zeros(4))  # 1 - 0.5 - 0.5
     np.testing.assert_allclose(b.numpy(), np.full(3, 0.5))
     assert len(opt._fused_apply._functions) == 2
     for _ in range(5):  # more eager steps reuse the traced programs
-        opt.apply([tf.zeros((4,)), tf.zeros((3,))], [a, b])
+        opt.apply([tf.zeros((4,)), tf.zeros((3,))], [a, b], scaled=True)
     assert [
         f.experimental_get_tracing_count() for f in opt._fused_apply._functions.values()
     ] == [1, 1]

@@ -165,7 +165,7 @@ def test_clipping_on_the_inner_optimizer_acts_on_unscaled_gradients():
         keras.optimizers.SGD(1.0, global_clipnorm=1.0), initial_scale=1024
     )
     scaled = tf.constant([30.0, 40.0, 0.0]) * 1024  # true gradient norm 50
-    assert bool(opt.apply([scaled], [var]))
+    assert bool(opt.apply([scaled], [var], scaled=True))
     np.testing.assert_allclose(var.numpy(), [-0.6, -0.8, 0.0], rtol=1e-6)
 
 
@@ -173,8 +173,8 @@ def test_skipped_steps_do_not_advance_a_learning_rate_schedule():
     schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5)
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(schedule), mode="dynamic")
     var = keras.Variable(0.0)
-    opt.apply([tf.constant(np.inf)], [var])
-    opt.apply([tf.constant(np.nan)], [var])
+    opt.apply([tf.constant(np.inf)], [var], scaled=True)
+    opt.apply([tf.constant(np.nan)], [var], scaled=True)
     assert int(opt.iterations) == 0
     assert float(opt.inner_optimizer.learning_rate) == 1.0
 
@@ -187,7 +187,7 @@ def test_an_explicit_optimizer_scales_whatever_the_global_policy(policy):
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=400.0)
     assert opt.mode == "dynamic"
     var = keras.Variable([1.0, 2.0])
-    assert not bool(opt.apply([tf.constant([np.inf, 1.0])], [var]))
+    assert not bool(opt.apply([tf.constant([np.inf, 1.0])], [var], scaled=True))
     np.testing.assert_array_equal(var.numpy(), [1.0, 2.0])
     assert float(opt.loss_scale) == 200.0
 
@@ -572,7 +572,7 @@ def test_ten_thousand_overflowing_steps_keep_the_floor_and_finite_weights():
     @tf.function
     def overflow_10k():
         for _ in tf.range(10_000):
-            opt.apply([inf], [var])
+            opt.apply([inf], [var], scaled=True)
 
     overflow_10k()
     assert float(opt.loss_scale) == 1.0
@@ -581,7 +581,7 @@ def test_ten_thousand_overflowing_steps_keep_the_floor_and_finite_weights():
     np.testing.assert_array_equal(var.numpy(), [1.0, 1.0, 1.0])
     # Keras's own wrapper reaches a scale of 0 here and then writes NaN; kmp's
     # next finite step is an ordinary one.
-    assert bool(opt.apply([tf.constant([1.0, 1.0, 1.0])], [var]))
+    assert bool(opt.apply([tf.constant([1.0, 1.0, 1.0])], [var], scaled=True))
     assert np.isfinite(var.numpy()).all() and (var.numpy() < 1.0).all()
 
 
@@ -590,7 +590,7 @@ def test_applying_to_unknown_variables_is_a_clear_error():
     known, stranger = keras.Variable(1.0), keras.Variable(2.0)
     opt.build([known])
     with pytest.raises(ValueError, match="not built with"):
-        opt.apply([tf.constant(1.0)], [stranger])
+        opt.apply([tf.constant(1.0)], [stranger], scaled=True)
 
 
 def test_the_tape_leaves_float8_scale_variables_undivided():
@@ -643,7 +643,7 @@ def test_a_sparse_gradient_whose_repeated_rows_sum_past_float16_is_skipped():
     values = tf.constant([[60000.0, 1.0], [60000.0, 1.0]], tf.float16)
     grad = tf.IndexedSlices(values, tf.constant([2, 2]), tf.constant([4, 2]))
     assert bool(tf.reduce_all(tf.math.is_finite(values)))
-    assert not bool(opt.apply([grad], [table]))
+    assert not bool(opt.apply([grad], [table], scaled=True))
     assert np.isfinite(table.numpy().astype("float32")).all()
     assert int(opt.skipped_steps_total) == 1
 

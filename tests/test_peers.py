@@ -13,6 +13,8 @@ import kmp
 from kmp import mixed_precision
 
 # --- Keras 3: keras/src/optimizers/loss_scale_optimizer_test.py (stateful) ---
+# Differs on purpose: Keras's tests apply hand-made gradients eagerly, which
+# its wrapper takes as scaled; kmp asks eagerly, so they say scaled=True.
 
 
 def test_keras_config():
@@ -29,7 +31,7 @@ def test_keras_infinite_step():
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=0.5))
     grads = [keras.ops.array([np.inf, np.inf, np.inf, np.inf])]
     variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
-    optimizer.apply(grads, variables)
+    optimizer.apply(grads, variables, scaled=True)
     np.testing.assert_allclose(variables[0].numpy(), [1.0, 2.0, 3.0, 4.0])
 
 
@@ -41,7 +43,7 @@ def test_keras_downscaling():
     optimizer.build(variables)
     grads = [keras.ops.array([np.inf, np.inf, np.inf, np.inf])]
     for _ in range(4):
-        optimizer.apply(grads, variables)
+        optimizer.apply(grads, variables, scaled=True)
     assert float(optimizer.scale_loss(1.0)) == 25.0
 
 
@@ -55,7 +57,7 @@ def test_keras_upscaling():
     optimizer.build(variables)
     grads = [keras.ops.array([1.0, 6.0, 7.0, 2.0])]
     for _ in range(8):
-        optimizer.apply(grads, variables)
+        optimizer.apply(grads, variables, scaled=True)
     assert float(optimizer.scale_loss(1.0)) == 32.0
 
 
@@ -151,8 +153,8 @@ def test_tf_keras_skipped_steps_do_not_count_as_iterations():
     # learning-rate schedule does not advance on skipped steps.
     var = tf.Variable([1.0])
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0))
-    opt.apply([tf.constant([np.inf])], [var])
-    opt.apply([tf.constant([1.0]) * 16384.0], [var])  # scale halved: 16384
+    opt.apply([tf.constant([np.inf])], [var], scaled=True)
+    opt.apply([tf.constant([1.0]) * 16384.0], [var], scaled=True)  # scale halved: 16384
     assert int(opt.iterations) == 1
 
 
@@ -170,9 +172,9 @@ def test_torch_grad_scaling_update_scale():
         growth_interval=1,
     )
     var = keras.Variable([1.0])
-    opt.apply([tf.constant([1.0])], [var])
+    opt.apply([tf.constant([1.0])], [var], scaled=True)
     assert float(opt.loss_scale) == 4.0
-    opt.apply([tf.constant([np.inf])], [var])
+    opt.apply([tf.constant([np.inf])], [var], scaled=True)
     assert float(opt.loss_scale) == 2.0
 
 
@@ -203,7 +205,7 @@ def test_torch_grad_scaling_clipping_sees_unscaled_gradients():
 def test_torch_grad_scaling_state_dict_round_trip():
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
     var = keras.Variable([1.0])
-    opt.apply([tf.constant([np.inf])], [var])
+    opt.apply([tf.constant([np.inf])], [var], scaled=True)
     state = {}
     opt.save_own_variables(state)
     other = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)

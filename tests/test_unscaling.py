@@ -143,7 +143,7 @@ def test_keras_own_tests_apply_pre_scaled_gradients_directly():
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=0.5))
     grads = [keras.ops.array([1.0, 6.0, 7.0, 2.0]) * opt.initial_scale]
     variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
-    opt.apply(grads, variables)
+    opt.apply(grads, variables, scaled=True)
     np.testing.assert_allclose(
         variables[0].numpy(), [0.5, -1.0, -0.5, 3.0], rtol=1e-4, atol=1e-4
     )
@@ -472,12 +472,63 @@ def test_a_traced_custom_train_step_that_never_scales_gets_right_sized_updates()
     np.testing.assert_allclose(model.get_weights(), reference.get_weights(), rtol=1e-3)
 
 
-def test_a_custom_train_step_run_eagerly_is_warned_that_no_loss_was_scaled():
-    # Eagerly there is no trace to read: Keras 3's contract (as Keras's own
-    # wrapper), with a warning that says so and names the fixes.
+def test_a_custom_train_step_run_eagerly_that_never_scales_is_refused():
+    # Eagerly there is no trace to read: kmp cannot tell these gradients from
+    # those of a scaled loss (Keras's own wrapper divides them by the scale),
+    # so it asks, with the line to add, and changes nothing.
     model = linear_model(UnscaledStep, "mixed_float16")
     kmp.compile(
         model, optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True
     )
-    with pytest.warns(UserWarning, match=r"no loss was scaled since the last apply"):
+    before = model.get_weights()
+    with pytest.raises(kmp.LossScaleError, match=r"optimizer\.scale_loss\(loss\)"):
         model.fit(np.ones((4, 1)), np.full((4, 1), 3.0), batch_size=4, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradients_read_from_a_variable_or_changed_arguments_follow_the_contract():
+    # Gradients of scale_loss accumulated into a variable by one function
+    # and applied by another, and scaled gradients passed in and changed
+    # there: no backward pass of the applying trace made them, so they are
+    # not taken for never scaled (they were applied 1024x too large).
+    opt, w = setup()
+    acc = tf.Variable(tf.zeros_like(w))
+
+    @tf.function
+    def accumulate():
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(loss_of(w))
+        acc.assign_add(tape.gradient(loss, [w])[0])
+
+    accumulate()
+    before = w.numpy().copy()
+    tf.function(lambda: opt.apply([acc.read_value()], [w]))()
+    assert_right_size(w, before)
+    before = w.numpy().copy()
+    scaled = [tf.constant(before * SCALE)]
+    tf.function(lambda g: opt.apply([x / 1.0 for x in g], [w]))(scaled)
+    assert_right_size(w, before)
+
+
+@pytest.mark.parametrize("traced_apply", [False, True])
+def test_tape_gradients_from_another_function_applied_without_saying_so_are_refused(
+    traced_apply,
+):
+    # The tape ran in a function traced before; its record is there, but the
+    # optimizer has handed out unscaled gradients, so an apply that scaled
+    # no loss must say which these are (they were divided by 1024 again).
+    opt, w = setup()
+
+    @tf.function
+    def gradients():
+        with kmp.ScaledGradientTape(opt) as tape:
+            loss = loss_of(w)
+        return tape.gradient(loss, [w])
+
+    gradients()
+    before = w.numpy().copy()
+    step = maybe_traced(traced_apply)(lambda: opt.apply(gradients(), [w]))
+    with pytest.raises(kmp.LossScaleError, match=r"scaled=False"):
+        step()
+    np.testing.assert_array_equal(w.numpy(), before)
