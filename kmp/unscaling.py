@@ -222,11 +222,6 @@ class Ledger:
         applied, context.applied = context.applied, False
         return applied
 
-    def scaled_here(self) -> bool:
-        """Whether a loss was scaled in this context (eagerly: since the last
-        apply). For a warning only, never for a decision."""
-        return bool(self._context().scaled_losses)
-
 
 def _tensors(grads) -> list:
     out = []

@@ -37,7 +37,7 @@ def test_demo_table_with_the_transformer(capfd, tmp_path):
             "--model",
             "transformer",
             "--epochs",
-            "1",
+            "2",
             "--plot",
             str(tmp_path / "t.png"),
         ]
@@ -47,8 +47,8 @@ def test_demo_table_with_the_transformer(capfd, tmp_path):
     assert code == 0
     # Its runs' processes print no TensorFlow start-up lines (absl's prefix).
     assert not _absl_lines(captured.err), _who_printed(captured.err)
-    assert "epoch 1/1" in captured.err  # their progress still shows
-    assert "have not converged yet" in out  # 1 epoch: no 1-point claim
+    assert "epoch 2/2" in captured.err  # their progress still shows
+    assert "have not converged yet" in out  # 2 epochs: no 1-point claim
     # One line says what a speed-up comes from on this machine.
     assert f"\n{hardware.fast_path(hardware.capabilities())}\n" in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
