@@ -305,6 +305,43 @@ def remapper_setting() -> RemapperSetting:
     )
 
 
+REMAPPER_PROCESS_WIDE = (
+    "The setting is process-wide and TensorFlow reads it at every train-step "
+    "call: the last kmp.set_policy, kmp.policy_scope or kmp.compile decides it "
+    "for every model, so a model compiled after another under a different "
+    "policy changes it for both, also for a model that has already trained."
+)
+
+
+def machine_remapper_note(setting: RemapperSetting) -> str:
+    """`kmp doctor`'s sentence on the remapper setting in force (for a
+    machine where kmp switches it)."""
+    if setting.set_by_kmp:
+        now = (
+            "kmp has turned grappler's remapper off in this process while a "
+            "float16 policy is in force (its fused float16 MatMul+BiasAdd CPU "
+            "kernel is very slow); it comes back when the policy changes."
+        )
+    elif setting.enabled:
+        now = (
+            "Grappler remapping is on in this process. On a machine without "
+            "GPUs kmp turns it off while a float16 policy is in force (its "
+            "fused float16 MatMul+BiasAdd CPU kernel is very slow) and back on "
+            "for other policies."
+        )
+    else:
+        return (
+            "Grappler remapping is off in this process, set outside kmp "
+            "(tf.config.optimizer.set_experimental_options); kmp leaves it so, "
+            "for every model."
+        )
+    return (
+        f"{now} {REMAPPER_PROCESS_WIDE} Train models of different policies in separate "
+        "processes, or call kmp.set_policy with a model's policy (or kmp.compile "
+        "it again) right before each of its fits."
+    )
+
+
 def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
     """Applies (or undoes) kmp's CPU fast-path settings for a compute dtype.
 
@@ -455,16 +492,14 @@ def doctor() -> DoctorReport:
     import tensorflow as tf
 
     from kmp import fused
-    from kmp import report
     from kmp.version import __version__
 
     caps = capabilities()
     auto = resolve_auto()
     remapper = remapper_setting()
     notes = known_slow_paths(caps)
-    remapper_note = report.remapper_note(remapper)
-    if remapper_note:
-        notes = (remapper_note, *notes)
+    if remapper.managed:
+        notes = (machine_remapper_note(remapper), *notes)
     if auto.policy == "mixed_float16":
         notes += (QUANTIZED_FLOAT16_NOTE,)
     return DoctorReport(

@@ -41,10 +41,7 @@ _INNER_ONLY_ARGS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
-# The optimizer's loss-scale state, by public name.
-STATE_NAMES = tuple(ls.PUBLIC_NAMES.values())
 _DEFAULT = ls.LossScaleConfig()
-SAVE_FORMAT = saved_state.SAVE_FORMAT
 
 
 @keras.saving.register_keras_serializable(package="kmp")

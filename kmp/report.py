@@ -163,7 +163,7 @@ def remapper_note(
     if not setting.managed:
         return ""
     if float16 is None:
-        return _remapper_machine_note(setting)
+        return hardware.machine_remapper_note(setting)
     if not float16 and not setting.set_by_kmp:
         return ""  # kmp leaves it alone for this model, and so did the others
     wanted = policy if _computes_in_float16(policy) == float16 else ""
@@ -197,42 +197,7 @@ def remapper_note(
             "model, which does not compute in float16, also trains without "
             "grappler's fused kernels."
         )
-    return f"{head} {_PROCESS_WIDE} {fix}"
-
-
-_PROCESS_WIDE = (
-    "The setting is process-wide and TensorFlow reads it at every train-step "
-    "call: the last kmp.set_policy, kmp.policy_scope or kmp.compile decides it "
-    "for every model, so a model compiled after another under a different "
-    "policy changes it for both, also for a model that has already trained."
-)
-
-
-def _remapper_machine_note(setting: hardware.RemapperSetting) -> str:
-    if setting.set_by_kmp:
-        now = (
-            "kmp has turned grappler's remapper off in this process while a "
-            "float16 policy is in force (its fused float16 MatMul+BiasAdd CPU "
-            "kernel is very slow); it comes back when the policy changes."
-        )
-    elif setting.enabled:
-        now = (
-            "Grappler remapping is on in this process. On a machine without "
-            "GPUs kmp turns it off while a float16 policy is in force (its "
-            "fused float16 MatMul+BiasAdd CPU kernel is very slow) and back on "
-            "for other policies."
-        )
-    else:
-        return (
-            "Grappler remapping is off in this process, set outside kmp "
-            "(tf.config.optimizer.set_experimental_options); kmp leaves it so, "
-            "for every model."
-        )
-    return (
-        f"{now} {_PROCESS_WIDE} Train models of different policies in separate "
-        "processes, or call kmp.set_policy with a model's policy (or kmp.compile "
-        "it again) right before each of its fits."
-    )
+    return f"{head} {hardware.REMAPPER_PROCESS_WIDE} {fix}"
 
 
 def _computes_in_float16(policy: str) -> bool:
