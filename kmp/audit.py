@@ -50,11 +50,13 @@ class AuditReport:
         risks: One `Risk` per spot.
         not_traced: Why the model could not be traced (then the risks only a
             trace finds are missing), or `''`.
+        not_traced_fix: What to do so that it can be, where kmp knows.
     """
 
     model_name: str
     risks: tuple[Risk, ...]
     not_traced: str = ""
+    not_traced_fix: str = ""
 
     def __iter__(self):
         return iter(self.risks)
@@ -66,14 +68,26 @@ class AuditReport:
         return {r.kind for r in self.risks}
 
     def __str__(self) -> str:
-        note = f"\nNot traced: {self.not_traced}." if self.not_traced else ""
-        if not self.risks:
-            return f"No precision risks found in {self.model_name!r}.{note}"
-        table = format_table(
-            ("layer", "class", "risk", "detail", "fix"),
-            [(r.layer, r.class_name, r.kind, r.detail, r.fix) for r in self.risks],
-        )
-        return f"Precision risks in {self.model_name!r}:\n{table}{note}"
+        lines = []
+        if self.not_traced:
+            fix = f" {self.not_traced_fix}" if self.not_traced_fix else ""
+            lines.append(
+                f"Could not check all of {self.model_name!r}: kmp could not trace "
+                f"it ({self.not_traced.rstrip('.')}), so what only a trace shows "
+                "(softmaxes and attention scores inside layers' own code, the "
+                f"dtype of its outputs, code that mixes dtypes) is unchecked.{fix}"
+            )
+        if self.risks:
+            table = format_table(
+                ("layer", "class", "risk", "detail", "fix"),
+                [(r.layer, r.class_name, r.kind, r.detail, r.fix) for r in self.risks],
+            )
+            lines.append(f"Precision risks in {self.model_name!r}:\n{table}")
+        elif self.not_traced:
+            lines.append("No precision risks found in the parts kmp could check.")
+        else:
+            lines.append(f"No precision risks found in {self.model_name!r}.")
+        return "\n".join(lines)
 
 
 def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
@@ -128,14 +142,77 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
     the_plan = planning.plan(model, policy=target)
     risks: list[Risk] = []
     with _Moved(the_plan, target):
-        traced = tracing.trace(model)
+        traced, error, fix = _trace(model)
         for d in the_plan:
             risks.extend(_layer_risks(d, traced.of(d.path)))
         if the_plan.base.is_16bit:
             risks.extend(_token_id_risks(model, the_plan))
             if not any(r.kind == "16-bit output" for r in risks):
                 risks.extend(_output_risks(model, traced))
-    return AuditReport(model.name, tuple(risks), traced.error or "")
+        risks.extend(_mixed_dtype_risks(model, traced))
+    return AuditReport(model.name, tuple(risks), error, fix)
+
+
+def _trace(model) -> tuple[tracing.Trace, str, str]:
+    """(the trace, why it failed or '', what to do). A model that has no
+    `call` of its own (only a `train_step`) is traced through the models it
+    holds, each on its own, their layers under their paths in `model`."""
+    if planning.has_no_call(model):
+        held = {
+            name: value
+            for name, value in vars(model).items()
+            if isinstance(value, keras.Model) and not name.startswith("_")
+        }
+        layers: dict[str, tracing.LayerOps] = {}
+        failed = []
+        for name, inner in held.items():
+            traced = tracing.trace(inner)
+            if traced.error:
+                failed.append(f"{name}: {traced.error}")
+            for path, ops in traced.layers.items():
+                full = f"{inner.name}/{path}"
+                layers[full] = dataclasses.replace(ops, path=full)
+        cls = type(model).__name__
+        error = f"{cls} has no call of its own; " + (
+            f"kmp traced the models it holds ({', '.join(held)})"
+            if held
+            else "it holds no model kmp could trace"
+        )
+        fix = f"Could not trace {'; '.join(failed)}." if failed else ""
+        # Only the parts are traced: the audit says so unless all traced.
+        return tracing.Trace(layers), "" if held and not failed else error, fix
+    traced = tracing.trace(model)
+    fix = ""
+    if traced.error and not tracing.traceable(model):
+        fix = (
+            "Build it first (call it on a batch, or audit it after fit has "
+            "built it), then audit it again."
+        )
+    return traced, traced.error or "", fix
+
+
+def _mixed_dtype_risks(model, traced: tracing.Trace) -> list[Risk]:
+    """A trace that failed on mixed float dtypes in user code (a float32
+    tensor made without a dtype, meeting a 16-bit one): the line, and the
+    fix."""
+    error = traced.error or ""
+    if not traced.error_at or not any(
+        text in error for text in ("does not match type", "was expected to be a")
+    ):
+        return []
+    where, _, code = traced.error_at.partition(": ")
+    where, _, owner = where.partition(" in ")
+    return [
+        Risk(
+            where,
+            owner.split(".")[0] or type(model).__name__,
+            "dtype error",
+            f"`{code}` mixes float dtypes under this policy ({error})",
+            "make the float32 operand in the compute dtype where it is created: "
+            "dtype=x.dtype (keras.random.normal(shape, dtype=x.dtype), "
+            "keras.ops.ones(shape, dtype=x.dtype)), or keras.ops.cast(t, x.dtype)",
+        )
+    ]
 
 
 class _Moved:
@@ -175,7 +252,7 @@ def _in_code_fix(kind_name: str, cls: str, owner: str) -> str:
     """The line to write in `owner.call` for a sensitive layer that kmp must
     leave 16-bit there."""
     fix = (
-        f"create it as {cls}(..., dtype='float32') and, in {owner}.call, cast "
+        f"create it as {cls}(..., dtype='float32') and, in {owner}, cast "
         "what it returns back: keras.ops.cast(y, x.dtype)"
     )
     if kind_name == "convolution":
@@ -184,11 +261,11 @@ def _in_code_fix(kind_name: str, cls: str, owner: str) -> str:
 
 
 _OWN_SOFTMAX_FIX = (
-    "in {owner}.call, compute it in float32: "
+    "in {owner}, compute it in float32: "
     "keras.ops.cast(keras.ops.softmax(keras.ops.cast(x, 'float32')), x.dtype)"
 )
 _OWN_SCORES_FIX = (
-    "in {owner}.call, cast query and key to float32 before their product and "
+    "in {owner}, cast query and key to float32 before their product and "
     "the softmax, and cast the result back to the compute dtype"
 )
 _PREPARE_FIX = (
@@ -238,7 +315,7 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
         and not inside_attention  # named once, at the attention layer
         and not applied
     ):
-        if d.rule == planning.OUTPUT:
+        if d.rule in (planning.OUTPUT, planning.CALLED_OUTPUT):
             what = "output"
         elif d.rule == planning.ATTENTION_SCORES:
             what = "attention scores"
@@ -255,7 +332,7 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
         )
     # What kmp leaves 16-bit because user code consumes it.
     if d.note.startswith("left") and kind is not None:
-        owner = type(d.site.user_code).__name__ if d.site.user_code else "user code"
+        owner = traversal.code_of(d.site.user_code)
         slow = kind.action == kinds.CPU_FLOAT16
         risks.append(
             Risk(
@@ -292,7 +369,7 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
                     cls,
                     "16-bit softmax",
                     f"its call computes a softmax in {softmax[0]}",
-                    _OWN_SOFTMAX_FIX.format(owner=cls),
+                    _OWN_SOFTMAX_FIX.format(owner=f"{cls}.call"),
                 )
             )
         scores = [t for t in ops.scores if t in _SIXTEEN]
@@ -357,7 +434,7 @@ def _scores_risk(d: planning.Decision, dtype: str) -> Risk:
         cls,
         "16-bit attention scores",
         f"its call multiplies query by key in {dtype}{source}: {overflow}",
-        _OWN_SCORES_FIX.format(owner=cls),
+        _OWN_SCORES_FIX.format(owner=f"{cls}.call"),
     )
 
 

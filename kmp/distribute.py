@@ -128,11 +128,11 @@ def verify_replicas(optimizer: Any) -> int:
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
             f"{optimizer!r} (of type {type(optimizer).__name__})."
         )
-    names = tuple(ls.PUBLIC_NAMES.values())
+    state = optimizer.loss_scale_object.state
     copies = 1
     differing = []
-    for name in names:
-        variable = getattr(optimizer, name)
+    for field, name in ls.PUBLIC_NAMES.items():
+        variable = getattr(state, field)
         value = variable.value if isinstance(variable, keras.Variable) else variable
         strategy = getattr(value, "_distribute_strategy", None) or (
             tf.distribute.get_strategy()

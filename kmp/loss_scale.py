@@ -509,22 +509,26 @@ class LossScale:
                 getattr(self.state, field.name).assign(getattr(new, field.name))
 
 
-def check_loss(loss, mode: str) -> None:
-    """Refuses a loss that cannot be scaled: not floating point, or 16-bit
-    (scaled, it overflows)."""
+SIXTEEN_BIT_LOSS = (
+    "The loss is {dtype}: kmp scales it in float32 rather than refusing it "
+    "(the scaled loss itself would overflow {dtype}). It was still computed in "
+    "{dtype}, which rounds it and can overflow or hit log(0) before any "
+    "scaling, and its backward pass starts in {dtype}. Compute the loss from "
+    "float32 predictions: tf.cast(y_pred, 'float32') before the loss."
+)
+
+
+def check_loss(loss, mode: str) -> bool:
+    """Refuses a loss that cannot be scaled (not floating point); True for a
+    16-bit one, which the caller scales in float32
+    (`SIXTEEN_BIT_LOSS` says so)."""
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
-        return
+        return False
     dtype = tf.as_dtype(dtype)
     if not dtype.is_floating:
         raise TypeError(
             f"The loss must be a floating-point tensor to be scaled. Received a "
             f"loss of dtype {dtype.name}. Cast it first: tf.cast(loss, 'float32')."
         )
-    if mode != NONE and dtype.size < 4:
-        raise TypeError(
-            f"The loss is {dtype.name}; a scaled {dtype.name} loss overflows "
-            "(float16 above 65504, so any loss scale of 2**16 or more). Expected a "
-            "float32 loss, as Keras's losses compute. Compute it in float32: "
-            "cast the predictions first, tf.cast(y_pred, 'float32')."
-        )
+    return mode != NONE and dtype.size < 4

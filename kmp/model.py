@@ -9,10 +9,13 @@ from typing import Any
 
 import keras
 
+from kmp import _warn
 from kmp import fused
 from kmp import hardware
 from kmp import planning
+from kmp import policy as policy_lib
 from kmp import telemetry
+from kmp import train_function
 from kmp import unscaling
 from kmp.optimizer import LossScaleOptimizer
 
@@ -123,8 +126,11 @@ def compile(
             "kmp.LossScaleOptimizer(inner, fused_update=...)."
         )
     _refuse_tf_keras_2_contract_in_keras_train_step(model, kept)
-    planning.prepare(model)
-    the_plan = planning.plan(model)
+    built = model.built
+    lost = policy_lib.lost_policy(planning.base_policy(model).keras_name)
+    if lost:
+        _warn.warn(lost)
+    the_plan = planning.apply(planning.plan(model))
     float16 = the_plan.computes_in_float16
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
@@ -165,7 +171,12 @@ def compile(
             _call(model, bound, arguments)
     if wrapped:
         telemetry.register(model, wrapped)
-    telemetry.attach(model)
+    telemetry.track(model)  # where Keras refuses, the train function adds it
+    # Completes the plan once fit has built the model, and adds the
+    # telemetry to a train_step's own logs.
+    train_function.install(
+        model, complete_plan=not built and planning.runs_own_call(model)
+    )
     return model
 
 

@@ -253,14 +253,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._applied_loss.build(self._make_variable)
 
     @property
-    def loss_scale(self) -> keras.Variable:
-        """The current loss scale (a float32 variable; 1.0 in mode `'none'`)."""
-        return self._scale.value
+    def loss_scale(self) -> tf.Tensor:
+        """The current loss scale as a float32 scalar tensor (1.0 in mode
+        `'none'`), as tf.keras 2's `loss_scale` was: `float()` of it works
+        also under a distribution strategy. The variable is
+        `dynamic_scale`."""
+        return tf.convert_to_tensor(self._scale.value)
 
     @property
     def dynamic_scale(self) -> keras.Variable:
-        """Alias of `loss_scale`, the name Keras's own wrapper uses."""
-        return self.loss_scale
+        """The loss-scale variable, the name Keras's own wrapper uses."""
+        return self._scale.value
 
     @property
     def loss_scale_object(self) -> ls.LossScale:
@@ -352,9 +355,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Returns `loss * scale` (Keras's trainer calls this inside `fit`).
         Its gradients go to `apply(grads, variables)`, which unscales them.
 
-        Accepts a tensor or a Python number; refuses a loss computed in
-        float16 (a scaled float16 loss overflows) and a loss scaled inside a
-        recording `kmp.ScaledGradientTape` (which scales it already).
+        Accepts a tensor or a Python number. A 16-bit loss is cast to
+        float32 first (a scaled float16 loss overflows), with a warning
+        once: it was still computed in 16-bit. Refuses a loss scaled inside
+        a recording `kmp.ScaledGradientTape` (which scales it already).
         """
         return self._scaled(loss)
 
@@ -362,7 +366,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             loss = tf.constant(loss, "float32")  # Keras's wrapper accepts numbers
         loss = tf.convert_to_tensor(loss)
-        ls.check_loss(loss, self.mode)
+        if ls.check_loss(loss, self.mode):
+            self.note_sixteen_bit_loss(loss)
+            loss = tf.cast(loss, "float32")
         self._ledger.scaled_loss()
         self.record_loss(loss)
         self._applied_loss.record(loss)
@@ -480,6 +486,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if decision == unscaling.SCALED:
             return self._scale.unscale(grads, variables)
         return grads
+
+    def note_sixteen_bit_loss(self, loss) -> None:
+        """Warns once that a 16-bit loss is scaled in float32."""
+        self._warn_once(
+            "16-bit loss", ls.SIXTEEN_BIT_LOSS.format(dtype=loss.dtype.name)
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in self._warned:

@@ -15,15 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import warnings
 import weakref
 
 import keras
 
+from kmp import _warn
 from kmp import hardware
 from kmp import kinds
 from kmp import policy as policy_lib
 from kmp import quantization
+from kmp import regularization
 from kmp import rules
 from kmp import tracing
 from kmp import traversal
@@ -35,6 +36,8 @@ EXPLICIT = "explicit dtype="
 POLICY = "policy"
 INHERITED = "inherited"
 OUTPUT = "default: model output in float32"
+CALLED_OUTPUT = "default: output of a model user code calls, in float32"
+INNER_OUTPUT = "default: output of a model compiled by kmp, kept in float32"
 NOT_FLOAT = "not a float layer: left as is"
 ATTENTION_SCORES = "default: attention scores in float32"
 TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
@@ -185,9 +188,7 @@ def _where(site: traversal.Site) -> str:
         return (
             f"its output goes to {site.blocker}, which does not absorb a dtype change"
         )
-    owner = site.user_code
-    name = type(owner).__name__ if owner is not None else "user code"
-    return f"its output goes to code in {name}.call"
+    return f"its output goes to code in {traversal.code_of(site.user_code)}"
 
 
 def plan(
@@ -239,10 +240,13 @@ def plan(
     forced: dict[int, tuple[policy_lib.Policy, str, str]] = {}
     weights = _weight_count(model)
     scores_inside: frozenset[int] | None = None  # traced once, when needed
+    inner_outputs = _inner_outputs(model)
+    inherited_at: dict[int, policy_lib.Policy] = {}
 
-    for site in traversal.walk(model):
+    for site in _sites(model, base):
         layer, path = site.layer, site.path
         inherited = decided.get(id(site.parent), base)
+        inherited_at[id(layer)] = inherited
         if not is_float_layer(layer):
             decisions.append(Decision(site, None, NOT_FLOAT, kinds.kind_of(layer)))
             continue
@@ -265,12 +269,16 @@ def plan(
             chosen, rule = user_rule.policy, user_rule.describe()
         elif id(layer) in forced:
             chosen, rule, note = forced[id(layer)]
+        elif id(layer) in inner_outputs and inherited.is_16bit:
+            # Compiling an outer model keeps what compiling this one decided.
+            chosen, rule = policy_lib.get(rules.FLOAT32), INNER_OUTPUT
+            note = f"an output of {inner_outputs[id(layer)]!r}"
         elif is_keras_attention(site.parent):
             # Keras's attention code consumes its sublayers: the scores rule
             # above decides them, or they stay as Keras made them.
             chosen, rule = inherited, INHERITED if inherited != base else POLICY
         else:
-            chosen, rule, note = _default(site, kind, inherited, base, weights)
+            chosen, rule, note = _default(site, kind, inherited, base, weights, model)
         kept = _refused_float_part(layer, chosen)
         if kept is not None:
             chosen, rule, note = kept
@@ -292,8 +300,132 @@ def plan(
             and not layer.built
         ):
             unbuilt.append(path)
+    decisions = _checked_outputs(model, decisions, inherited_at, base)
     unmatched = tuple(r for r in user_rules if id(r) not in matched_rules)
     return Plan(model, base, tuple(decisions), unmatched, tuple(unbuilt))
+
+
+def has_no_call(model) -> bool:
+    """A subclassed model with no `call` of its own: it trains with its
+    `train_step` (or `compute_loss`), calling the models it holds."""
+    return (
+        isinstance(model, keras.Model)
+        and not traversal.is_graph(model)
+        and not runs_own_call(model)
+    )
+
+
+def runs_own_call(model) -> bool:
+    """Whether calling `model` runs code of its own: a subclassed model
+    with a `call` (a GAN or a VAE written with a `train_step` only has
+    none)."""
+    if traversal.is_graph(model):
+        return False
+    if isinstance(model, keras.Model):
+        return type(model).call is not keras.Model.call
+    return True
+
+
+def _sites(model, base):
+    """The model's sites, with the outputs a subclassed model hands to its
+    training code marked as model outputs, as a Functional model's are:
+
+    * a model with no `call` (a VAE, a GAN: a `train_step` only): the
+      outputs of every Functional or Sequential model it holds;
+    * a model with a `call`, once built: one trace of it shows which
+      sublayer produces what it returns (a layer, or a model whose outputs
+      are then outputs), and which models it holds that `call` never runs
+      (a distiller's teacher, called in `compute_loss`): their outputs too.
+      A model `call` runs for its own ends (a block, a backbone) is left.
+
+    Checked again, with their new dtype, by `_checked_outputs`."""
+    if traversal.is_graph(model) or not isinstance(model, keras.Model):
+        return list(traversal.walk(model))
+    if not base.is_16bit:
+        return list(traversal.walk(model))
+    graphs = {id(c) for c in traversal.children(model) if traversal.is_graph(c)}
+    if has_no_call(model):
+        return list(traversal.walk(model, frozenset(graphs)))
+    sources = tracing.output_sources(model)
+    if sources.error:
+        return list(traversal.walk(model))
+    called = {key for key in graphs if key in sources.layers or key not in sources.ran}
+    return [
+        dataclasses.replace(
+            s, model_output=True, output_of=model, casts_downstream=True
+        )
+        if s.parent is model
+        and id(s.layer) in sources.layers
+        and not traversal.is_graph(s.layer)
+        else s
+        for s in traversal.walk(model, frozenset(called))
+    ]
+
+
+def _checked_outputs(model, decisions, inherited_at, base):
+    """The decisions, with a float32 output that user code receives (a
+    subclassed model's output, a model its code calls) checked by one trace
+    of `model` with those layers in float32: where the trace fails (its code
+    mixes that output with 16-bit tensors in raw TensorFlow ops), or the
+    model cannot be traced yet, they keep their policy and say why."""
+    # The code of a model that has no call of its own (only a train_step)
+    # is never traced: its nested models' outputs go to it as a top
+    # model's go to the loss.
+    checked = [
+        i
+        for i, d in enumerate(decisions)
+        if d.rule in (OUTPUT, CALLED_OUTPUT)
+        and d.site.user_code is not None
+        and (d.site.user_code is not model or runs_own_call(model))
+    ]
+    if not checked:
+        return decisions
+    saved = {i: quantization.snapshot(decisions[i].layer) for i in checked}
+    try:
+        for i in checked:
+            quantization.set_float_part(decisions[i].layer, rules.FLOAT32)
+        error = tracing.trace(model).error
+    finally:
+        for i, own in saved.items():
+            quantization.restore(decisions[i].layer, own)
+    if error is None:
+        return decisions
+    owner = type(model).__name__
+    if not tracing.traceable(model):
+        why = (
+            f"not built yet, so kmp cannot check {owner}.call with it in "
+            "float32; kmp.compile checks again when fit builds the model"
+        )
+    else:
+        why = (
+            f"with it in float32, {owner}.call fails ({error}); its code mixes "
+            "this output with 16-bit tensors"
+        )
+    result = list(decisions)
+    for i in checked:
+        d = decisions[i]
+        inherited = inherited_at[id(d.layer)]
+        rule = POLICY if inherited == base else INHERITED
+        result[i] = dataclasses.replace(
+            d,
+            policy=inherited,
+            rule=rule,
+            note=f"an output user code receives, but {why}",
+        )
+    return result
+
+
+def _inner_outputs(model) -> dict[int, str]:
+    """{id(layer): model name} for the layers that produce the outputs of
+    the models nested in `model` that kmp prepared on their own (a teacher
+    compiled with kmp.compile before its distiller)."""
+    found: dict[int, str] = {}
+    for site in traversal.walk(model):
+        inner = site.layer
+        if traversal.is_graph(inner) and inner in _model_base:
+            for key in traversal.output_producers(inner):
+                found.setdefault(key, inner.name)
+    return found
 
 
 def _refused_float_part(layer, chosen):
@@ -330,7 +462,7 @@ def _weight_count(layer) -> int:
 HEAD_SHARE = 0.1
 
 
-def _default(site, kind, inherited, base, model_weights):
+def _default(site, kind, inherited, base, model_weights, top):
     """(policy, rule, note) from kmp's defaults for one layer."""
     plain = (inherited, POLICY if inherited == base else INHERITED, "")
     if not inherited.is_16bit:
@@ -349,7 +481,7 @@ def _default(site, kind, inherited, base, model_weights):
                 f"{share:.0%} of the weights: computing it all in float32 would "
                 "turn mixed precision off for it",
             )
-        return float32, OUTPUT, ""
+        return float32, OUTPUT if site.output_of is top else CALLED_OUTPUT, ""
     if site.reads_float_input and rounds_token_ids(layer):
         # A float keras.Input carries token ids into an Embedding through a
         # layer that would cast them to 16-bit (rounding ids above 256 or
@@ -535,7 +667,14 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
             "prepare() expects a Keras model or layer. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
-    the_plan = plan(model)  # raises before anything is changed
+    apply(plan(model))  # plan raises before anything is changed
+    return model
+
+
+def apply(the_plan: Plan) -> Plan:
+    """Applies a plan made by `plan(model)` to its model (`prepare` is
+    `apply(plan(model))`); returns it."""
+    model = the_plan.model
     _model_base.setdefault(model, base_policy(model))
     changed = 0
     for d in the_plan:
@@ -545,28 +684,26 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
             quantization.set_float_part(d.layer, d.policy.keras_name)
             changed += 1
         _applied[d.layer] = Applied(d.policy.keras_name, d.rule)
+        if d.policy.is_16bit:
+            regularization.compute_in_float32(d.layer)
     for rule in the_plan.unmatched:
-        warnings.warn(
+        _warn.warn(
             rules.unmatched_message(
                 rule,
                 _candidates(the_plan, rule),
                 f"of {model.name!r}",
-            ),
-            UserWarning,
-            stacklevel=2,
+            )
         )
     if the_plan.unbuilt_attention:
-        warnings.warn(
+        _warn.warn(
             "kmp.prepare: the attention layers "
             f"{', '.join(the_plan.unbuilt_attention)} are not built yet, so "
             "their scores rule is not applied (their projections are created "
             "at build time). Build the model first (call it on a batch, or "
-            "start it from keras.Input) and call kmp.prepare again.",
-            UserWarning,
-            stacklevel=2,
+            "start it from keras.Input) and call kmp.prepare again."
         )
     logger.debug("kmp.prepare(%s): %d layer policies changed", model.name, changed)
-    return model
+    return the_plan
 
 
 def _candidates(the_plan: Plan, rule: rules.LayerRule) -> set[str]:

@@ -346,6 +346,25 @@ def get_policy() -> Policy:
     return get(current)
 
 
+def lost_policy(model_policy: str) -> str:
+    """'' normally; where the policy `kmp.set_policy` last set is no longer
+    Keras's global policy (`keras.backend.clear_session()` resets it, as can
+    another library) and a model computes in another policy (`model_policy`,
+    a Keras policy name), a sentence saying so, with the fix."""
+    current = keras.config.dtype_policy().name
+    if _last_set is None or current == _last_set.keras_name:
+        return ""
+    if model_policy == _last_set.keras_name:
+        return ""
+    return (
+        f"kmp.set_policy({_last_set.name!r}) is no longer in force: Keras's "
+        f"global dtype policy is {current!r} (keras.backend.clear_session() "
+        f"resets it, as can another library), so this model computes in "
+        f"{model_policy!r}. Call kmp.set_policy({_last_set.name!r}) after "
+        "clear_session() and build the model again."
+    )
+
+
 @contextlib.contextmanager
 def policy_scope(policy: str | Policy | keras.DTypePolicy) -> Iterator[Policy]:
     """A context manager that sets the global policy and restores the previous

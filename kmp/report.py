@@ -80,6 +80,9 @@ class PrecisionReport:
             grappler's remapping setting now, which is process-wide, and how
             to keep it right for this model (`remapper_note`); `''`
             elsewhere.
+        policy_lost: Where the policy `kmp.set_policy` set is no longer in
+            force and the model computes in another, that sentence with the
+            fix (`kmp.policy.lost_policy`); `''` elsewhere.
     """
 
     model_name: str
@@ -89,6 +92,7 @@ class PrecisionReport:
     not_traced: str = ""
     loss_scaling: str = ""
     remapper: str = ""
+    policy_lost: str = ""
 
     def __iter__(self) -> Iterator[LayerPrecision]:
         return iter(self.rows)
@@ -125,6 +129,10 @@ class PrecisionReport:
             f"Precision of {self.model_name!r} (model policy: {self.policy})",
             table,
         ]
+        if self.policy_lost:
+            lines.append(
+                textwrap.fill(self.policy_lost, width=88, break_on_hyphens=False)
+            )
         if self.outputs:
             lines.append(f"Outputs: {', '.join(self.outputs)}")
         if self.loss_scaling:
@@ -332,4 +340,5 @@ def precision_report(
             the_plan.computes_in_float16,
             the_plan.base.name,
         ),
+        policy_lost=policy_lib.lost_policy(the_plan.base.keras_name),
     )

@@ -94,11 +94,11 @@ import difflib
 import fnmatch
 import logging
 import threading
-import warnings
 from typing import Any
 
 import keras
 
+from kmp import _warn
 from kmp import policy as policy_lib
 
 # The layer kinds and their registry live in kmp.kinds; registering a class
@@ -272,11 +272,7 @@ def set_layer_policy(
     if kind == "class" and isinstance(parsed, str):
         names = known_layer_class_names()
         if not any(fnmatch.fnmatchcase(n, parsed) for n in names):
-            warnings.warn(
-                unmatched_message(rule, names, "class defined so far"),
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn.warn(unmatched_message(rule, names, "class defined so far"))
     return rule
 
 

@@ -12,11 +12,12 @@ optimizer anywhere.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
 import numpy as np
+
+from kmp import _warn
 
 # The version of the saved state's layout.
 SAVE_FORMAT = 2
@@ -70,34 +71,28 @@ def load(optimizer: Any, state: dict[str, Any], by_position: list, store) -> Non
     missing = [k for k in saved if k not in found]
     unknown = sorted(keys - set(found.values()) - {FORMAT_KEY})
     if missing or unknown or wrong_shape:
-        warnings.warn(
+        _warn.warn(
             f"kmp.LossScaleOptimizer {optimizer.name!r}: restored the optimizer "
             f"state by name; not in the file (kept at their initial values): "
             f"{', '.join(missing) or 'none'}; in the file but not in this "
             f"optimizer (ignored): {', '.join(unknown) or 'none'}; of "
             f"another shape (kept at their initial values): "
-            f"{', '.join(wrong_shape) or 'none'}.",
-            UserWarning,
-            stacklevel=3,
+            f"{', '.join(wrong_shape) or 'none'}."
         )
 
 
 def _load_by_position(optimizer: Any, variables: list, store) -> None:
     if len(store.keys()) != len(variables):
-        warnings.warn(
+        _warn.warn(
             f"kmp.LossScaleOptimizer {optimizer.name!r}: the file holds "
             f"{len(store.keys())} optimizer variables saved by position (an "
             f"older kmp), this optimizer has {len(variables)}: the optimizer "
-            "state is not restored.",
-            UserWarning,
-            stacklevel=4,
+            "state is not restored."
         )
         return
-    warnings.warn(
+    _warn.warn(
         f"kmp.LossScaleOptimizer {optimizer.name!r}: restoring optimizer state "
-        "saved by position (an older kmp); save again to store it by name.",
-        UserWarning,
-        stacklevel=4,
+        "saved by position (an older kmp); save again to store it by name."
     )
     for i, variable in enumerate(variables):
         variable.assign(store[str(i)])

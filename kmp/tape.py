@@ -99,7 +99,9 @@ class ScaledGradientTape(tf.GradientTape):
         divided.
         """
         for t in tf.nest.flatten(target):
-            ls.check_loss(t, self._optimizer.mode)
+            if ls.check_loss(t, self._optimizer.mode):
+                # Its gradient starts at the scale, in its dtype.
+                self._optimizer.note_sixteen_bit_loss(t)
             self._optimizer.record_loss(t)
         scale = self._optimizer.loss_scale_object
         if not scale.scaling:  # mode 'none': a plain tape

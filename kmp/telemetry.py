@@ -48,7 +48,7 @@ def loss_scale_of(optimizer: Any):
     """The loss-scale variable of an optimizer that scales the loss (kmp's
     `loss_scale`, or Keras's own wrapper's `dynamic_scale`), or None."""
     if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
-        return optimizer.loss_scale if optimizer.mode != "none" else None
+        return optimizer.dynamic_scale if optimizer.mode != "none" else None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return getattr(optimizer, "dynamic_scale", None)  # created at build
     return None
@@ -150,15 +150,10 @@ class LossScaleTelemetry(keras.metrics.Metric):
                 if not opt.took_step():
                     continue
                 trained = True
-                scale = loss_scale_of(opt)
-                if scale is not None:
-                    logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
-                total = tf.convert_to_tensor(opt.skipped_steps_total)
-                start = tf.convert_to_tensor(self._start_variable(label))
-                logs[f"{prefix}skipped_steps"] = total - start
-                logs[f"{prefix}skipped_steps_total"] = total
+                values = _values(label, opt, prefix, self._start_variable(label))
+                logs.update(values)
                 if len(optimizers) == 1:
-                    loss = self._loss_of_applied_steps(opt, total - start)
+                    loss = self._loss_of_applied_steps(opt, values["skipped_steps"])
                     if loss is not None:
                         logs["loss"] = loss  # replaces Keras's (same name)
             elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
@@ -167,6 +162,49 @@ class LossScaleTelemetry(keras.metrics.Metric):
                     trained = True
                     logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
         return logs if trained else {}
+
+
+def _values(label: str, opt, prefix: str, epoch_start) -> dict[str, Any]:
+    """The telemetry of one optimizer (tensors), read from its variables:
+    `skipped_steps` only where `epoch_start` (the count at the epoch's
+    start) is known."""
+    logs: dict[str, Any] = {}
+    scale = loss_scale_of(opt)
+    if scale is not None:
+        logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+    if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+        total = tf.convert_to_tensor(opt.skipped_steps_total)
+        if epoch_start is not None:
+            logs[f"{prefix}skipped_steps"] = total - tf.convert_to_tensor(epoch_start)
+        logs[f"{prefix}skipped_steps_total"] = total
+    return logs
+
+
+def step_logs(model: keras.Model, per_epoch: bool) -> dict[str, Any]:
+    """kmp's telemetry for `model`, read after a training step from its
+    optimizers' variables (for logs that do not carry it: a `train_step`
+    returning its own dict). `skipped_steps` (this epoch) only with
+    `per_epoch`, where the model's telemetry metric is among
+    `model.metrics`, which Keras resets at each epoch start."""
+    metric = getattr(model, "kmp_loss_scale_telemetry", None)
+    optimizers = optimizers_of(model)
+    logs: dict[str, Any] = {}
+    for label, opt in optimizers.items():
+        prefix = "" if len(optimizers) == 1 else f"{label}_"
+        start = (
+            metric._start_variable(label)
+            if per_epoch and isinstance(metric, LossScaleTelemetry)
+            else None
+        )
+        logs.update(_values(label, opt, prefix, start))
+    return logs
+
+
+def metric_in_metrics(model: keras.Model) -> bool:
+    """Whether `model.metrics` holds its telemetry metric (a model that
+    overrides `metrics` may leave it out)."""
+    metric = getattr(model, "kmp_loss_scale_telemetry", None)
+    return metric is not None and any(m is metric for m in model.metrics)
 
 
 def _assigned_here(variable) -> bool:
@@ -240,20 +278,30 @@ def attach(model: keras.Model) -> keras.Model:
     >>> sorted(k for k in history.history if "skip" in k or "scale" in k)
     ['loss_scale', 'skipped_steps', 'skipped_steps_total']
     """
-    if not any(isinstance(m, LossScaleTelemetry) for m in model.metrics):
-        try:
-            _track(model, LossScaleTelemetry(model))
-        except ValueError as e:  # Keras locks a built subclassed model's state
-            logger.warning(
-                "kmp.telemetry: the loss scale and skipped steps cannot join "
-                "the logs of %s, whose state Keras has locked (%s). Compile it "
-                "before building it (kmp.compile first, then fit), or read "
-                "them with kmp.callbacks.LossScaleMonitor.",
-                type(model).__name__,
-                str(e).strip() if str(e) != "None" else "no reason given",
-            )
-            return model
-        # A train step traced before has no telemetry in it: trace it again.
-        if getattr(model, "train_function", None) is not None:
-            model.train_function = None
+    refused = track(model)
+    if refused:
+        logger.warning(
+            "kmp.telemetry: the loss scale and skipped steps cannot join "
+            "the logs of %s, whose state Keras has locked (%s). Compile it "
+            "with kmp.compile (which adds them to the logs of each step), or "
+            "read them with kmp.callbacks.LossScaleMonitor.",
+            type(model).__name__,
+            refused,
+        )
     return model
+
+
+def track(model: keras.Model) -> str:
+    """Adds a `LossScaleTelemetry` to `model`'s metrics (once), and has a
+    train step traced before traced again with it. Returns `''`, or why
+    Keras refused (it locks a built subclassed model's state)."""
+    if isinstance(getattr(model, "kmp_loss_scale_telemetry", None), LossScaleTelemetry):
+        return ""
+    try:
+        _track(model, LossScaleTelemetry(model))
+    except ValueError as e:
+        return str(e).strip() if str(e) != "None" else "no reason given"
+    # A train step traced before has no telemetry in it: trace it again.
+    if getattr(model, "train_function", None) is not None:
+        model.train_function = None
+    return ""

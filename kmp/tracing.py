@@ -23,7 +23,11 @@ float-token-ids rule. Tracing runs nothing and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import linecache
+import os
 import re
+import sys
+import sysconfig
 
 import keras
 import tensorflow as tf
@@ -147,11 +151,14 @@ class Trace:
         layers: `LayerOps` per layer path (the layers that ran).
         outputs: Float dtypes of the model's outputs.
         error: Why the model could not be traced, or None.
+        error_at: Where in user code the trace failed
+            (`'file.py:12: return x * noise'`), or `''`.
     """
 
     layers: dict[str, LayerOps]
     outputs: tuple[str, ...] = ()
     error: str | None = None
+    error_at: str = ""
 
     def of(self, path: str) -> LayerOps | None:
         return self.layers.get(path)
@@ -183,6 +190,11 @@ def _input_specs(model):
     return keras.tree.map_structure(
         lambda t: tf.TensorSpec(t.shape, t.dtype), structure
     )
+
+
+def traceable(model: keras.layers.Layer) -> bool:
+    """Whether kmp can read input shapes to trace `model` with (`trace`)."""
+    return _input_specs(model) is not None
 
 
 def trace(model: keras.layers.Layer) -> Trace:
@@ -218,12 +230,9 @@ def trace(model: keras.layers.Layer) -> Trace:
                 "trace"
             ),
         )
-    try:
-        function = tf.function(lambda x: model(x, training=False))
-        concrete = function.get_concrete_function(specs)
-    except (TypeError, ValueError, tf.errors.OpError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()
-        return Trace({}, error=(first[-1] if first else type(e).__name__)[:200])
+    concrete, error, where = _concrete(model, specs)
+    if error:
+        return Trace({}, error=error, error_at=where)
     graph = concrete.graph
     paths = {id(site.layer): site.path for site in traversal.walk(model)}
     names: dict[int, dict] = {}  # id(layer) -> {child name: child}
@@ -316,6 +325,151 @@ def trace(model: keras.layers.Layer) -> Trace:
         if isinstance(t, tf.Tensor) and (d := dtype(t))
     )
     return Trace(result, outs)
+
+
+def _concrete(model, specs):
+    """(the concrete function of `model(x, training=False)`, None, ''), or
+    (None, why it could not be traced, where in user code)."""
+    try:
+        function = tf.function(lambda x: model(x, training=False))
+        return function.get_concrete_function(specs), None, ""
+    except (TypeError, ValueError, tf.errors.OpError, NotImplementedError) as e:
+        return None, error_line(e), user_line(e)
+
+
+# The code of these packages is not the user's.
+_LIBRARIES = (
+    *(
+        os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+        for module in (keras, tf, sys.modules[__name__.split(".")[0]])
+    ),
+    sysconfig.get_paths()["stdlib"] + os.sep,
+)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def user_line(error: BaseException) -> str:
+    """Where in user code an error was raised
+    (`'vae.py:40 in Sampling.call: return z * e'`): the innermost frame
+    outside Keras, TensorFlow, kmp and Python's own library, from the
+    traceback or from the frames a tf.function error names; `''` when there
+    is none."""
+    frames = [(m[1], int(m[2]), "") for m in _FRAME.finditer(str(error))]
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        owner = tb.tb_frame.f_locals.get("self")
+        name = f"{type(owner).__name__}.{code.co_name}" if owner is not None else ""
+        frames.append((code.co_filename, tb.tb_lineno, name))
+        tb = tb.tb_next
+    for filename, line, name in reversed(frames):
+        path = os.path.abspath(filename)
+        if path.startswith(_LIBRARIES) or "__autograph_generated" in path:
+            continue
+        text = linecache.getline(path, line).strip()
+        where = f"{os.path.basename(path)}:{line}" + (f" in {name}" if name else "")
+        return f"{where}: {text}" if text else ""
+    return ""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Lines of Keras's wrapping of an error raised in a layer's call.
+_WRAPPING = ("Exception encountered", "Arguments received", "\u2022")
+
+
+def error_line(error: BaseException) -> str:
+    """The line of an exception that says what went wrong (Keras wraps an
+    error raised in `call` between lines naming the layer and its
+    arguments), at most 200 characters."""
+    lines = [_ANSI.sub("", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(_WRAPPING)]
+    return (lines[-1] if lines else type(error).__name__)[:200]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSources:
+    """The result of `output_sources`.
+
+    Attributes:
+        layers: ids of the direct sublayers of the model whose call
+            produces one of its float outputs (through data movement only:
+            reshapes, slices, identities; not through a cast or math in the
+            model's own code).
+        ran: ids of the direct sublayers that ran in the trace (a model a
+            `train_step` calls but `call` does not is not among them).
+        error: Why the model could not be traced, or None.
+    """
+
+    layers: frozenset[int] = frozenset()
+    ran: frozenset[int] = frozenset()
+    error: str | None = None
+
+
+# Ops in a model's own code that hand a sublayer's output on unchanged in
+# dtype: an output they produce comes from that sublayer.
+_HANDS_ON = _DATA - {"Cast", "Const", "Placeholder", "ReadVariableOp"}
+
+
+def output_sources(model: keras.layers.Layer) -> OutputSources:
+    """Which of a model's direct sublayers produce its outputs, read from
+    one trace of `model(x, training=False)` (for a subclassed model, whose
+    `call` is code kmp cannot read otherwise).
+
+    Args:
+        model: A built model (see `trace` for what can be traced).
+
+    Returns:
+        An `OutputSources`.
+
+    Example:
+
+    >>> class Net(keras.Model):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.hidden = keras.layers.Dense(8)
+    ...         self.head = keras.layers.Dense(2)
+    ...     def call(self, x):
+    ...         return self.head(self.hidden(x))
+    >>> net = Net()
+    >>> _ = net(np.ones((1, 4)))
+    >>> kmp.tracing.output_sources(net).layers == {id(net.head)}
+    True
+    """
+    specs = _input_specs(model)
+    if specs is None:
+        return OutputSources(
+            error=(
+                f"{type(model).__name__} has no input shapes kmp can read (not "
+                "built, or a subclassed model with several inputs)"
+            )
+        )
+    concrete, error, _ = _concrete(model, specs)
+    if error:
+        return OutputSources(error=error)
+    names: dict[int, dict] = {}
+    found: set[int] = set()
+    seen: set[str] = set()
+    ran = {
+        id(chain[0])
+        for op in concrete.graph.get_operations()
+        if (chain := _chain(model, op.name, names))
+    }
+    stack = [
+        t.op
+        for t in keras.tree.flatten(concrete.outputs)
+        if isinstance(t, tf.Tensor) and t.dtype.name in _FLOATS
+    ]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        chain = _chain(model, op.name, names)
+        if chain:
+            found.add(id(chain[0]))
+        elif op.type in _HANDS_ON:
+            stack.extend(t.op for t in op.inputs if t.dtype.name in _FLOATS)
+    return OutputSources(frozenset(found), frozenset(ran))
 
 
 def _chain(model, op_name: str, names: dict) -> list:

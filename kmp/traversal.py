@@ -81,7 +81,12 @@ class Site:
             docstring) or in an output of the top model; only then may kmp
             change the dtype it returns.
         model_output: True when it produces an output of the top model
-            (directly, or through ops that keep its dtype).
+            (directly, or through ops that keep its dtype), or of a model
+            the top model's training code calls (`walk`'s `called`: a VAE's
+            encoder, whose outputs go to its `train_step` as a top model's
+            go to the loss).
+        output_of: The model whose output it produces (the top model, or
+            one of `called`), or None.
         user_code: The nearest enclosing layer whose own Python code calls
             it (a custom `Layer` or a subclassed `Model`), or None.
         reads_float_input: True when it consumes a float `keras.Input` of
@@ -99,6 +104,7 @@ class Site:
     user_code: keras.layers.Layer | None = None
     reads_float_input: bool = False
     blocker: str = ""
+    output_of: keras.layers.Layer | None = None
 
 
 def children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
@@ -108,6 +114,21 @@ def children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
         for child in layer._flatten_layers(include_self=False, recursive=False)
         if not isinstance(child, keras.layers.InputLayer)
     ]
+
+
+def code_of(layer: keras.layers.Layer | None) -> str:
+    """The user code in `layer` that consumes its sublayers' outputs, by
+    the name of a method that exists: `'Net.call'`, or for a model with no
+    call of its own `'VAE.train_step'` (or `compute_loss`)."""
+    if layer is None:
+        return "user code"
+    cls = type(layer)
+    if isinstance(layer, keras.Model) and cls.call is keras.Model.call:
+        for method in ("train_step", "compute_loss"):
+            if getattr(cls, method) is not getattr(keras.Model, method):
+                return f"{cls.__name__}.{method}"
+        return f"the code that calls {cls.__name__}'s models"
+    return f"{cls.__name__}.call"
 
 
 def is_graph(model: keras.layers.Layer) -> bool:
@@ -184,7 +205,7 @@ def _graph_consumers(model: keras.Model) -> dict[int, list]:
     return consumers
 
 
-def _output_producers(model: keras.Model) -> set[int]:
+def output_producers(model: keras.Model) -> set[int]:
     """ids of the layers whose dtype reaches an output of `model`: the
     layer that produces an output, or the layers before ops that keep their
     inputs' dtype (`ops.squeeze(dense(x))`)."""
@@ -209,9 +230,16 @@ def _output_producers(model: keras.Model) -> set[int]:
     return found
 
 
-def walk(model: keras.layers.Layer) -> Iterator[Site]:
+def walk(
+    model: keras.layers.Layer, called: frozenset[int] = frozenset()
+) -> Iterator[Site]:
     """Yields a `Site` for every layer inside `model`, depth first, each layer
     once (at its first path). Input layers are left out.
+
+    `called`: ids of the Functional or Sequential models that `model`'s
+    own code calls and hands their outputs to its training code (a VAE's
+    encoder and decoder): their output layers are sites of model outputs,
+    as the top model's are (`Site.output_of`).
 
     Example:
 
@@ -223,7 +251,7 @@ def walk(model: keras.layers.Layer) -> Iterator[Site]:
     sites: dict[int, Site] = {}
     top_user = None if is_graph(model) else model
     float_inputs = _float_input_readers(model)
-    for site in _walk(model, "", True, True, top_user):
+    for site in _walk(model, "", model, True, top_user, called):
         if id(site.layer) in float_inputs and site.parent is model:
             site = dataclasses.replace(site, reads_float_input=True)
         first = sites.get(id(site.layer))
@@ -236,26 +264,28 @@ def walk(model: keras.layers.Layer) -> Iterator[Site]:
                 first,
                 casts_downstream=first.casts_downstream and site.casts_downstream,
                 model_output=first.model_output or site.model_output,
+                output_of=first.output_of or site.output_of,
                 blocker=first.blocker or site.blocker,
             )
     yield from sites.values()
 
 
-def _walk(container, prefix, outputs_reach_top, outputs_absorb, user):
-    """Sites of `container`'s sublayers. `outputs_reach_top`: its outputs are
-    outputs of the top model; `outputs_absorb`: whatever consumes its outputs
-    absorbs a dtype change; `user`: the nearest enclosing layer whose own
-    code runs."""
+def _walk(container, prefix, output_of, outputs_absorb, user, called):
+    """Sites of `container`'s sublayers. `output_of`: the model whose
+    outputs `container`'s outputs are (the top model, or one in `called`),
+    or None; `outputs_absorb`: whatever consumes its outputs absorbs a
+    dtype change; `user`: the nearest enclosing layer whose own code runs;
+    `called`: see `walk`."""
     graph = is_graph(container)
     consumers = _graph_consumers(container) if graph else {}
-    producers = _output_producers(container) if graph else set()
+    producers = output_producers(container) if graph else set()
     for child in children(container):
         path = f"{prefix}{child.name}"
         casts, is_output, blocker = False, False, ""
         if graph:
             # A layer that feeds an output is safe to change only where the
-            # code after the outputs absorbs it (the top model: always).
-            ends = outputs_reach_top or outputs_absorb
+            # code after the outputs absorbs it (a model's outputs: always).
+            ends = output_of is not None or outputs_absorb
             blocker = next(
                 (
                     b
@@ -265,14 +295,29 @@ def _walk(container, prefix, outputs_reach_top, outputs_absorb, user):
                 "",
             )
             casts = not blocker
-            is_output = id(child) in producers and outputs_reach_top
+            is_output = id(child) in producers and output_of is not None
         yield Site(
-            path, child, container, graph, casts, is_output, user, False, blocker
+            path,
+            child,
+            container,
+            graph,
+            casts,
+            is_output,
+            user,
+            False,
+            blocker,
+            output_of if is_output else None,
         )
         if is_graph(child):
-            yield from _walk(child, path + "/", is_output, casts, user)
+            if graph:
+                inner = output_of if is_output else None
+            else:
+                # A model the training code calls hands its outputs to it,
+                # as the top model hands its outputs to the loss.
+                inner = child if id(child) in called else None
+            yield from _walk(child, path + "/", inner, casts, user, called)
         else:
-            yield from _walk(child, path + "/", False, False, child)
+            yield from _walk(child, path + "/", None, False, child, called)
 
 
 def _float_input_readers(model) -> set[int]:

@@ -29,3 +29,18 @@ def test_every_public_function_has_a_docstring_with_an_example():
         if callable(obj) and name[0].islower():
             doc = obj.__doc__ or ""
             assert ">>>" in doc, f"kmp.{name} has no runnable example"
+
+
+def test_every_kmp_warning_is_issued_at_the_users_line():
+    # kmp._warn.warn finds the first caller outside kmp; a plain
+    # warnings.warn with a fixed stacklevel points into kmp when the call
+    # comes through another kmp function.
+    package = pathlib.Path(kmp.__file__).parent
+    direct = [
+        f"{path.name}:{number}"
+        for path in sorted(package.glob("*.py"))
+        if path.name != "_warn.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "warnings.warn(" in line
+    ]
+    assert direct == []

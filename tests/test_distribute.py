@@ -156,10 +156,17 @@ def test_checkpoint_from_a_strategy_restores_on_one_device(tmp_path, mirrored):
     assert value(single.optimizer.skipped_steps_total) == 1  # precondition
 
 
+def test_the_loss_scale_reads_as_a_number_under_a_strategy(mirrored):
+    with mirrored.scope():
+        opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=64.0)
+    assert float(opt.loss_scale) == 64.0  # a MirroredVariable refused float()
+    assert opt.dynamic_scale is opt.loss_scale_object.value
+
+
 def test_verify_replicas_raises_when_replicas_disagree(mirrored):
     with mirrored.scope():
         opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
-    value = opt.loss_scale.value
+    value = opt.dynamic_scale.value
     value._distribute_strategy.experimental_local_results(value)[1].assign(3.0)
     with pytest.raises(kmp.distribute.ReplicaDivergenceError, match="loss_scale"):
         kmp.distribute.verify_replicas(opt)

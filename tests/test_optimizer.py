@@ -713,7 +713,7 @@ def test_saved_state_is_found_by_name_and_holds_no_control_values(tmp_path):
     assert all(k == "kmp_format" or k.startswith("kmp|") for k in store)
     # Found by name: the order of the keys does not matter.
     fresh = _trained()
-    fresh.optimizer.loss_scale.assign(2.0)
+    fresh.optimizer.dynamic_scale.assign(2.0)
     fresh.optimizer.load_own_variables(dict(reversed(list(store.items()))))
     assert float(fresh.optimizer.loss_scale) == float(model.optimizer.loss_scale)
     assert int(fresh.optimizer.skipped_steps_total) == 1

@@ -152,10 +152,15 @@ def test_float16_variables_are_unscaled_in_float32():
     )
 
 
-def test_sixteen_bit_losses_are_rejected_when_scaling():
-    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
-    with pytest.raises(TypeError, match="Expected a float32 loss"):
-        opt.scale_loss(tf.constant(1.0, tf.float16))
+def test_a_sixteen_bit_loss_is_scaled_in_float32_with_a_warning():
+    opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=2.0**20)
+    with pytest.warns(UserWarning, match="kmp scales it in float32") as caught:
+        scaled = opt.scale_loss(tf.constant(1.0, tf.float16))
+        opt.scale_loss(tf.constant(2.0, tf.bfloat16))
+    # 2**20 overflows float16: the scaled loss is float32, and said once.
+    assert scaled.dtype == tf.float32 and float(scaled) == 2.0**20
+    assert len([w for w in caught if "kmp scales it" in str(w.message)]) == 1
+    assert caught[0].filename == __file__  # the caller's line
 
 
 def test_gradient_penalty_gradient_of_a_gradient():
