@@ -196,9 +196,7 @@ def _mixed_dtype_risks(model, traced: tracing.Trace) -> list[Risk]:
     tensor made without a dtype, meeting a 16-bit one): the line, and the
     fix."""
     error = traced.error or ""
-    if not traced.error_at or not any(
-        text in error for text in ("does not match type", "was expected to be a")
-    ):
+    if not traced.error_at or not tracing.mixes_dtypes(error):
         return []
     where, _, code = traced.error_at.partition(": ")
     where, _, owner = where.partition(" in ")

@@ -510,11 +510,13 @@ class LossScale:
 
 
 SIXTEEN_BIT_LOSS = (
-    "The loss is {dtype}: kmp scales it in float32 rather than refusing it "
-    "(the scaled loss itself would overflow {dtype}). It was still computed in "
-    "{dtype}, which rounds it and can overflow or hit log(0) before any "
-    "scaling, and its backward pass starts in {dtype}. Compute the loss from "
-    "float32 predictions: tf.cast(y_pred, 'float32') before the loss."
+    "The loss is {dtype}: kmp scales it rather than refusing it (a scaled loss "
+    "is float32), but it was computed in {dtype}, which rounds it and can "
+    "overflow or hit log(0) before any scaling, and its backward pass starts "
+    "in {dtype}: under float16 a loss scale of 2**16 or more overflows there, "
+    "and each time the scale grows that far one step is skipped and the scale "
+    "lowered. Compute the loss from float32 predictions: tf.cast(y_pred, "
+    "'float32') before the loss."
 )
 
 

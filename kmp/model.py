@@ -130,7 +130,8 @@ def compile(
     lost = policy_lib.lost_policy(planning.base_policy(model).keras_name)
     if lost:
         _warn.warn(lost)
-    the_plan = planning.apply(planning.plan(model))
+    the_plan = planning.plan(model)
+    planning.apply(the_plan)
     float16 = the_plan.computes_in_float16
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.

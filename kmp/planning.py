@@ -38,6 +38,7 @@ INHERITED = "inherited"
 OUTPUT = "default: model output in float32"
 CALLED_OUTPUT = "default: output of a model user code calls, in float32"
 INNER_OUTPUT = "default: output of a model compiled by kmp, kept in float32"
+_FLOAT32_OUTPUTS = (OUTPUT, CALLED_OUTPUT, INNER_OUTPUT)
 NOT_FLOAT = "not a float layer: left as is"
 ATTENTION_SCORES = "default: attention scores in float32"
 TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
@@ -128,6 +129,9 @@ class Applied:
 
 _applied: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _model_base: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per model: the layers whose float32 outputs its training code refused
+# (its first step failed on mixed dtypes with them), {id(layer): why}.
+_refused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def applied(layer: keras.layers.Layer) -> Applied | None:
@@ -269,7 +273,11 @@ def plan(
             chosen, rule = user_rule.policy, user_rule.describe()
         elif id(layer) in forced:
             chosen, rule, note = forced[id(layer)]
-        elif id(layer) in inner_outputs and inherited.is_16bit:
+        elif (
+            id(layer) in inner_outputs
+            and inherited.is_16bit
+            and (site.casts_downstream or site.user_code is not None)
+        ):
             # Compiling an outer model keeps what compiling this one decided.
             chosen, rule = policy_lib.get(rules.FLOAT32), INNER_OUTPUT
             note = f"an output of {inner_outputs[id(layer)]!r}"
@@ -301,6 +309,18 @@ def plan(
         ):
             unbuilt.append(path)
     decisions = _checked_outputs(model, decisions, inherited_at, base)
+    refused = _refused.get(model, {})
+    decisions = [
+        dataclasses.replace(
+            d,
+            policy=inherited_at[id(d.layer)],
+            rule=POLICY if inherited_at[id(d.layer)] == base else INHERITED,
+            note=f"an output user code receives, but {refused[id(d.layer)]}",
+        )
+        if id(d.layer) in refused and d.rule in _FLOAT32_OUTPUTS
+        else d
+        for d in decisions
+    ]
     unmatched = tuple(r for r in user_rules if id(r) not in matched_rules)
     return Plan(model, base, tuple(decisions), unmatched, tuple(unbuilt))
 
@@ -334,8 +354,9 @@ def _sites(model, base):
       outputs of every Functional or Sequential model it holds;
     * a model with a `call`, once built: one trace of it shows which
       sublayer produces what it returns (a layer, or a model whose outputs
-      are then outputs), and which models it holds that `call` never runs
-      (a distiller's teacher, called in `compute_loss`): their outputs too.
+      are then outputs), and, where the model has its own `train_step` or
+      `compute_loss`, which models it holds that `call` never runs (a
+      distiller's teacher, called in `compute_loss`): their outputs too.
       A model `call` runs for its own ends (a block, a backbone) is left.
 
     Checked again, with their new dtype, by `_checked_outputs`."""
@@ -349,7 +370,17 @@ def _sites(model, base):
     sources = tracing.output_sources(model)
     if sources.error:
         return list(traversal.walk(model))
-    called = {key for key in graphs if key in sources.layers or key not in sources.ran}
+    # A model its call does not run goes to the model's own training code
+    # (a distiller's teacher in compute_loss), where it has some.
+    own_training = any(
+        getattr(type(model), name) is not getattr(keras.Model, name)
+        for name in ("train_step", "compute_loss")
+    )
+    called = {
+        key
+        for key in graphs
+        if key in sources.layers or (own_training and key not in sources.ran)
+    }
     return [
         dataclasses.replace(
             s, model_output=True, output_of=model, casts_downstream=True
@@ -374,7 +405,7 @@ def _checked_outputs(model, decisions, inherited_at, base):
     checked = [
         i
         for i, d in enumerate(decisions)
-        if d.rule in (OUTPUT, CALLED_OUTPUT)
+        if d.rule in (OUTPUT, CALLED_OUTPUT, INNER_OUTPUT)
         and d.site.user_code is not None
         and (d.site.user_code is not model or runs_own_call(model))
     ]
@@ -388,19 +419,15 @@ def _checked_outputs(model, decisions, inherited_at, base):
     finally:
         for i, own in saved.items():
             quantization.restore(decisions[i].layer, own)
-    if error is None:
+    if error is None or not tracing.traceable(model):
+        # Not built yet: nothing to check it with. kmp.compile completes the
+        # plan when fit has built the model.
         return decisions
     owner = type(model).__name__
-    if not tracing.traceable(model):
-        why = (
-            f"not built yet, so kmp cannot check {owner}.call with it in "
-            "float32; kmp.compile checks again when fit builds the model"
-        )
-    else:
-        why = (
-            f"with it in float32, {owner}.call fails ({error}); its code mixes "
-            "this output with 16-bit tensors"
-        )
+    why = (
+        f"with it in float32, {owner}.call fails ({error}); its code mixes "
+        "this output with 16-bit tensors"
+    )
     result = list(decisions)
     for i in checked:
         d = decisions[i]
@@ -419,12 +446,16 @@ def _inner_outputs(model) -> dict[int, str]:
     """{id(layer): model name} for the layers that produce the outputs of
     the models nested in `model` that kmp prepared on their own (a teacher
     compiled with kmp.compile before its distiller)."""
+    sites = list(traversal.walk(model))
+    layers = {id(s.layer): s.layer for s in sites}
     found: dict[int, str] = {}
-    for site in traversal.walk(model):
+    for site in sites:
         inner = site.layer
         if traversal.is_graph(inner) and inner in _model_base:
             for key in traversal.output_producers(inner):
-                found.setdefault(key, inner.name)
+                record = applied(layers[key]) if key in layers else None
+                if record is not None and record.rule in _FLOAT32_OUTPUTS:
+                    found.setdefault(key, inner.name)
     return found
 
 
@@ -671,9 +702,50 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     return model
 
 
-def apply(the_plan: Plan) -> Plan:
+def refuse_user_outputs(model: keras.layers.Layer, why: str) -> list[tuple[str, str]]:
+    """Gives back their policy to the float32 outputs kmp gave the code of
+    `model` (its call, its train_step), after that code failed on mixed
+    dtypes (`why`); later plans keep them so. Returns the (path, policy
+    name) of each layer given back."""
+    refused = _refused.setdefault(model, {})
+    given = []
+    for d in plan(model):
+        if d.rule in _FLOAT32_OUTPUTS and d.site.user_code is not None:
+            refused[id(d.layer)] = why
+            given.append(d.path)
+    if not given:
+        return []
+    new = plan(model)
+    apply(new)
+    return [(path, new.decision(path).policy.name) for path in given]
+
+
+def all_built(model: keras.layers.Layer) -> bool:
+    """Whether every layer of `model` is built."""
+    return all(s.layer.built for s in traversal.walk(model))
+
+
+def ready(model: keras.layers.Layer) -> bool:
+    """Whether every layer of `model` is built and kmp can trace it: its
+    plan can then read what its `call` does."""
+    return tracing.traceable(model) and all_built(model)
+
+
+def complete(model: keras.layers.Layer) -> int:
+    """`prepare` once more, for a model built since it was compiled (its
+    `call` can be traced now); returns how many layers' policies changed.
+    Functions Keras traced before with the old policies (`evaluate`,
+    `predict`) are traced again at their next use."""
+    changed = apply(plan(model))
+    if changed and isinstance(model, keras.Model):
+        model.test_function = None
+        model.predict_function = None
+    return changed
+
+
+def apply(the_plan: Plan) -> int:
     """Applies a plan made by `plan(model)` to its model (`prepare` is
-    `apply(plan(model))`); returns it."""
+    `apply(plan(model))`); returns how many layers' policies it changed."""
     model = the_plan.model
     _model_base.setdefault(model, base_policy(model))
     changed = 0
@@ -703,7 +775,7 @@ def apply(the_plan: Plan) -> Plan:
             "start it from keras.Input) and call kmp.prepare again."
         )
     logger.debug("kmp.prepare(%s): %d layer policies changed", model.name, changed)
-    return the_plan
+    return changed
 
 
 def _candidates(the_plan: Plan, rule: rules.LayerRule) -> set[str]:

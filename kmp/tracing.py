@@ -333,7 +333,7 @@ def _concrete(model, specs):
     try:
         function = tf.function(lambda x: model(x, training=False))
         return function.get_concrete_function(specs), None, ""
-    except (TypeError, ValueError, tf.errors.OpError, NotImplementedError) as e:
+    except Exception as e:  # any failure of user code: the trace is advisory
         return None, error_line(e), user_line(e)
 
 
@@ -351,9 +351,9 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 def user_line(error: BaseException) -> str:
     """Where in user code an error was raised
     (`'vae.py:40 in Sampling.call: return z * e'`): the innermost frame
-    outside Keras, TensorFlow, kmp and Python's own library, from the
-    traceback or from the frames a tf.function error names; `''` when there
-    is none."""
+    outside installed packages (Keras, TensorFlow, KerasHub, kmp) and
+    Python's own library, from the traceback or from the frames a
+    tf.function error names; `''` when there is none."""
     frames = [(m[1], int(m[2]), "") for m in _FRAME.finditer(str(error))]
     tb = error.__traceback__
     while tb is not None:
@@ -364,7 +364,12 @@ def user_line(error: BaseException) -> str:
         tb = tb.tb_next
     for filename, line, name in reversed(frames):
         path = os.path.abspath(filename)
-        if path.startswith(_LIBRARIES) or "__autograph_generated" in path:
+        if (
+            path.startswith(_LIBRARIES)
+            or "__autograph_generated" in path
+            or f"{os.sep}site-packages{os.sep}" in path
+            or f"{os.sep}dist-packages{os.sep}" in path
+        ):
             continue
         text = linecache.getline(path, line).strip()
         where = f"{os.path.basename(path)}:{line}" + (f" in {name}" if name else "")
@@ -375,6 +380,15 @@ def user_line(error: BaseException) -> str:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Lines of Keras's wrapping of an error raised in a layer's call.
 _WRAPPING = ("Exception encountered", "Arguments received", "\u2022")
+
+
+# How TensorFlow says that a raw op met mixed float dtypes.
+_MIXED = ("does not match type", "was expected to be a", "that don't all match")
+
+
+def mixes_dtypes(error: BaseException | str) -> bool:
+    """Whether an error is TensorFlow refusing mixed dtypes in an op."""
+    return any(text in str(error) for text in _MIXED)
 
 
 def error_line(error: BaseException) -> str:

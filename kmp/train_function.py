@@ -2,37 +2,43 @@
 with what kmp can only do once the model is built and once a step's logs
 are known.
 
-`kmp.compile` (and `kmp.telemetry.attach`) set `model.train_function` to a
-`TrainFunction`, which Keras's `make_train_function` then keeps (it makes a
-function only where there is none). At its first call, inside `fit` after
-Keras has built the model, it:
+`kmp.compile` sets `model.train_function` to a `TrainFunction`, which
+Keras's `make_train_function` then keeps (it makes a function only where
+there is none). At its first call, inside `fit`:
 
-* completes the precision plan of a model that was not built when it was
-  compiled (a subclassed model: which layer produces its output is read
-  from a trace of its `call`), then has Keras make its own train function
-  and calls it from then on;
+* for a subclassed model that was not built when it was compiled, it
+  builds the model from the shape of the inputs (as Keras does from a
+  saved input shape: a symbolic call, nothing runs) and completes the
+  precision plan (which layer produces the output of its `call` is read
+  from a trace); where that cannot be done before the step (several
+  inputs, `train_on_batch` first), the plan is completed after the first
+  step and the step traced again if a layer changed;
+* it has Keras make its own train function, and calls it from then on.
 
-and after each call from `fit`, where the step's logs lack kmp's telemetry
-(a `train_step` that returns its own dict), it adds the loss scale and the
-skipped steps, read from the optimizers' variables after the step (no
-device sync: the values travel with the logs, which Keras reads when it
-reads the loss). `skipped_steps` (this epoch) is added only where Keras
-resets kmp's telemetry metric at each epoch start (it is among
-`model.metrics`; a model that overrides `metrics` gets
-`skipped_steps_total`). `train_on_batch` returns the step's logs as the
-`train_step` wrote them.
+After each call from `fit`, where the step's logs lack kmp's telemetry (a
+`train_step` that returns its own dict, or a model whose state Keras locked
+before kmp could add its metric), it adds the loss scale and the skipped
+steps, read from the optimizers' variables after the step (no device sync:
+the values travel with the logs, which Keras reads when it reads the loss).
+`skipped_steps` (this epoch) is added only where Keras resets kmp's
+telemetry metric at each epoch start (it is among `model.metrics`; a model
+that overrides `metrics` gets `skipped_steps_total`). `train_on_batch`
+returns the step's logs as the `train_step` wrote them.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from kmp import _warn
 from kmp import planning
 from kmp import telemetry
+from kmp import tracing
 
 
 class TrainFunction:
@@ -40,8 +46,8 @@ class TrainFunction:
 
     Args:
         model: The model compiled.
-        complete_plan: Whether to apply kmp's precision plan again at the
-            first call (the model was not built when it was compiled).
+        complete_plan: Whether to apply kmp's precision plan again once the
+            model is built (it was not built when it was compiled).
     """
 
     def __init__(self, model: keras.Model, complete_plan: bool):
@@ -54,8 +60,21 @@ class TrainFunction:
     def __call__(self, iterator: Any) -> Any:
         model = self._model()
         if self._inner is None:
-            self._inner = self._keras_function(model, iterator)
-        logs = self._inner(iterator)
+            if self._complete_plan and not planning.ready(model):
+                _build(model, iterator)
+            if self._complete_plan and planning.ready(model):
+                self._complete_plan = False
+                planning.complete(model)
+            self._inner = self._keras_function(model)
+            logs = self._first_step(model, iterator)
+        else:
+            logs = self._inner(iterator)
+        if self._complete_plan and planning.ready(model):
+            # Built only by the step's own trace: the plan is completed now,
+            # and the next step is traced again if a layer changed.
+            self._complete_plan = False
+            if planning.complete(model):
+                self._inner = self._keras_function(model)
         # fit hands over a tf.data iterator (train_on_batch a generator).
         from_fit = isinstance(
             iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
@@ -71,11 +90,57 @@ class TrainFunction:
         extra = telemetry.step_logs(model, self._per_epoch)
         return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
 
-    def _keras_function(self, model: keras.Model, iterator: Any):
-        if self._complete_plan:
-            if not model.built:
-                _build(model, iterator)
-            planning.prepare(model)  # built now: the plan can read its call
+    def _first_step(self, model: keras.Model, iterator: Any) -> Any:
+        """The first step. Where its trace fails on mixed float dtypes and
+        kmp gave float32 outputs to the user code it runs (a train_step that
+        joins a model's output with a 16-bit tensor in raw TensorFlow),
+        those outputs get their policy back, with a warning, and the step
+        is traced again (from `fit`, whose tf.data iterator the failed trace
+        did not advance)."""
+        built = planning.all_built(model)
+        try:
+            return self._inner(iterator)
+        except (TypeError, tf.errors.InvalidArgumentError) as e:
+            mixed = tracing.mixes_dtypes(e)
+            from_fit = isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            )
+            if not (mixed and from_fit):
+                raise
+            why = (
+                f"its training code failed with it in float32 ({tracing.error_line(e)})"
+            )
+            refused = planning.refuse_user_outputs(model, why)
+            if not refused:
+                raise
+            if not built:
+                # Layers first built inside the failed trace cannot be used
+                # in another trace: kmp cannot run the step again itself.
+                self._inner = None
+                rules = "; ".join(
+                    f"kmp.set_layer_policy('name:{path}', {policy!r})"
+                    for path, policy in refused
+                )
+                raise TypeError(
+                    f"{tracing.error_line(e)}\n\nThe training step of "
+                    f"{model.name!r} joins an output kmp computes in float32 "
+                    "with a 16-bit tensor in raw TensorFlow, and layers were "
+                    "first built in that failed step, so kmp cannot run it "
+                    "again. Keep those outputs 16-bit, as plain Keras computes "
+                    f"them, before building the model: {rules}; or build its "
+                    "layers before fit (then kmp traces the step again itself)."
+                ) from e
+            _warn.warn(
+                f"kmp: the first training step of {model.name!r} failed on mixed "
+                f"dtypes with the outputs kmp computes in float32 for its code "
+                f"({tracing.error_line(e)}); kmp gives them back their 16-bit "
+                "policy, as plain Keras computes them, and traces the step "
+                "again. kmp.precision_report(model) lists them."
+            )
+            self._inner = self._keras_function(model)
+            return self._inner(iterator)
+
+    def _keras_function(self, model: keras.Model):
         model.train_function = None
         try:
             model.make_train_function()
@@ -95,7 +160,12 @@ def _build(model: keras.Model, iterator: Any) -> None:
     if spec is None:
         return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(spec)
-    if isinstance(x, tf.TensorSpec):
+    if not isinstance(x, tf.TensorSpec):
+        return
+    with warnings.catch_warnings():
+        # Where Keras cannot build it so, it says so and leaves it unbuilt:
+        # the first step builds it, and the plan is completed after it.
+        warnings.simplefilter("ignore")
         model.build_from_config({"input_shape": tuple(x.shape)})
 
 

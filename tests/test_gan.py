@@ -201,7 +201,9 @@ def test_keras_io_wgan_gp_trains_as_written_like_float32(policy):
     assert wgan.generator.layers[-1].compute_dtype == "float32"
     assert wgan.discriminator.layers[-1].compute_dtype == "float32"
     for key in ("d_loss", "g_loss"):
-        np.testing.assert_allclose(logs[key], reference[key], rtol=0.1, atol=0.5)
+        # Within a tenth of the size of float32's losses, step by step.
+        size = float(np.max(np.abs(reference[key])))
+        np.testing.assert_allclose(logs[key], reference[key], atol=0.1 * size)
     # Both optimizers' telemetry, added to the train_step's own dict.
     prefix = ["d_optimizer_", "g_optimizer_"]
     for p in prefix:

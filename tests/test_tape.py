@@ -154,13 +154,32 @@ def test_float16_variables_are_unscaled_in_float32():
 
 def test_a_sixteen_bit_loss_is_scaled_in_float32_with_a_warning():
     opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=2.0**20)
-    with pytest.warns(UserWarning, match="kmp scales it in float32") as caught:
+    with pytest.warns(UserWarning, match="kmp scales it rather") as caught:
         scaled = opt.scale_loss(tf.constant(1.0, tf.float16))
         opt.scale_loss(tf.constant(2.0, tf.bfloat16))
     # 2**20 overflows float16: the scaled loss is float32, and said once.
     assert scaled.dtype == tf.float32 and float(scaled) == 2.0**20
     assert len([w for w in caught if "kmp scales it" in str(w.message)]) == 1
     assert caught[0].filename == __file__  # the caller's line
+
+
+@pytest.mark.parametrize(
+    "scale, applied", [(2.0**10, True), (2.0**16, False)], ids=["2**10", "2**16"]
+)
+def test_a_float16_losss_gradients_start_in_float16(scale, applied):
+    # The backward pass of a float16 loss starts with the scale in float16:
+    # at 2**16 it overflows, the step is skipped and the scale lowered, as
+    # the warning says; below, the update is exact.
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), mode="dynamic", initial_scale=scale
+    )
+    w = keras.Variable(1.0)
+    with tf.GradientTape() as tape, pytest.warns(UserWarning, match=r"2\*\*16"):
+        loss = tf.cast(3.0 * w.value, "float16")
+        scaled = opt.scale_loss(loss)
+    opt.apply(tape.gradient(scaled, [w.value]), [w])
+    assert float(w.numpy()) == (1.0 - 0.5 * 3.0 if applied else 1.0)
+    assert float(opt.loss_scale) == (scale if applied else scale / 2)
 
 
 def test_gradient_penalty_gradient_of_a_gradient():
