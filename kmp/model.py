@@ -15,7 +15,6 @@ from kmp import hardware
 from kmp import planning
 from kmp import policy as policy_lib
 from kmp import telemetry
-from kmp import train_function
 from kmp import unscaling
 from kmp.optimizer import LossScaleOptimizer
 
@@ -172,12 +171,9 @@ def compile(
             _call(model, bound, arguments)
     if wrapped:
         telemetry.register(model, wrapped)
-    telemetry.track(model)  # where Keras refuses, the train function adds it
-    # Completes the plan once fit has built the model, and adds the
-    # telemetry to a train_step's own logs.
-    train_function.install(
-        model, complete_plan=not built and planning.runs_own_call(model)
-    )
+    # Its train function completes the plan once fit has built the model,
+    # and adds the telemetry to a train_step's own logs.
+    telemetry.attach(model, complete_plan=not built and planning.runs_own_call(model))
     return model
 
 

@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 
 from kmp import optimizer as optimizer_lib
+from kmp import train_function
 from kmp import traversal
 
 logger = logging.getLogger("kmp")
@@ -260,12 +261,19 @@ def _track(model: keras.Model, metric: LossScaleTelemetry) -> None:
             tracker.lock()
 
 
-def attach(model: keras.Model) -> keras.Model:
+def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     """Makes `fit` log the loss scale and skipped steps of `model`'s
     loss-scaling optimizers (kmp's, or Keras's own wrapper's scale).
     Idempotent; `kmp.compile` calls it. Works before or after training and
     after `keras.models.load_model`: a train step already traced is traced
-    again, with the telemetry, at the next `fit`.
+    again, with the telemetry, at the next `fit`. A `train_step` that
+    returns its own dict, and a model whose state Keras has locked, get them
+    from kmp's train function (`kmp.train_function`), which `attach` sets.
+
+    Args:
+        model: A compiled Keras model.
+        complete_plan: For `kmp.compile`: the train function applies kmp's
+            precision plan again once `fit` has built the model.
 
     Example:
 
@@ -280,14 +288,13 @@ def attach(model: keras.Model) -> keras.Model:
     """
     refused = track(model)
     if refused:
-        logger.warning(
-            "kmp.telemetry: the loss scale and skipped steps cannot join "
-            "the logs of %s, whose state Keras has locked (%s). Compile it "
-            "with kmp.compile (which adds them to the logs of each step), or "
-            "read them with kmp.callbacks.LossScaleMonitor.",
+        logger.debug(
+            "kmp.telemetry: %s's state is locked (%s): the train function adds "
+            "the telemetry to its logs, without a per-epoch skip count.",
             type(model).__name__,
             refused,
         )
+    train_function.install(model, complete_plan, step_logs, metric_in_metrics)
     return model
 
 

@@ -2,7 +2,8 @@
 with what kmp can only do once the model is built and once a step's logs
 are known.
 
-`kmp.compile` sets `model.train_function` to a `TrainFunction`, which
+`kmp.compile` and `kmp.telemetry.attach` set `model.train_function` to a
+`TrainFunction`, which
 Keras's `make_train_function` then keeps (it makes a function only where
 there is none). At its first call, inside `fit`:
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -37,8 +39,12 @@ import tensorflow as tf
 
 from kmp import _warn
 from kmp import planning
-from kmp import telemetry
 from kmp import tracing
+
+# (model, per_epoch) -> the telemetry logs read after a step; (model) ->
+# whether the per-epoch count can be reported. `kmp.telemetry` provides them.
+LogsReader = Callable[[keras.Model, bool], dict]
+EpochCheck = Callable[[keras.Model], bool]
 
 
 class TrainFunction:
@@ -48,11 +54,22 @@ class TrainFunction:
         model: The model compiled.
         complete_plan: Whether to apply kmp's precision plan again once the
             model is built (it was not built when it was compiled).
+        logs: Reads the telemetry after a step (`kmp.telemetry.step_logs`).
+        per_epoch: Whether the per-epoch skip count can be reported
+            (`kmp.telemetry.metric_in_metrics`).
     """
 
-    def __init__(self, model: keras.Model, complete_plan: bool):
+    def __init__(
+        self,
+        model: keras.Model,
+        complete_plan: bool,
+        logs: LogsReader,
+        per_epoch: EpochCheck,
+    ):
         self._model = weakref.ref(model)
         self._complete_plan = complete_plan
+        self._logs = logs
+        self._epoch_check = per_epoch
         self._inner = None
         self._adds: bool | None = None  # decided at the first step from fit
         self._per_epoch = False
@@ -82,12 +99,12 @@ class TrainFunction:
         if not from_fit or not isinstance(logs, dict):
             return logs
         if self._adds is None:
-            self._per_epoch = telemetry.metric_in_metrics(model)
-            wanted = telemetry.step_logs(model, self._per_epoch)
+            self._per_epoch = self._epoch_check(model)
+            wanted = self._logs(model, self._per_epoch)
             self._adds = any(key not in logs for key in wanted)
         if not self._adds:
             return logs
-        extra = telemetry.step_logs(model, self._per_epoch)
+        extra = self._logs(model, self._per_epoch)
         return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
 
     def _first_step(self, model: keras.Model, iterator: Any) -> Any:
@@ -169,7 +186,13 @@ def _build(model: keras.Model, iterator: Any) -> None:
         model.build_from_config({"input_shape": tuple(x.shape)})
 
 
-def install(model: keras.Model, complete_plan: bool = False) -> None:
+def install(
+    model: keras.Model,
+    complete_plan: bool,
+    logs: LogsReader,
+    per_epoch: EpochCheck,
+) -> None:
     """Sets `model.train_function` to a `TrainFunction` (after `compile`,
-    which clears it)."""
-    model.train_function = TrainFunction(model, complete_plan)
+    which clears it), unless it is one already."""
+    if not isinstance(getattr(model, "train_function", None), TrainFunction):
+        model.train_function = TrainFunction(model, complete_plan, logs, per_epoch)

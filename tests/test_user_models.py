@@ -616,3 +616,21 @@ def test_a_train_step_that_mixes_a_float32_output_gets_the_16bit_one_back(built)
     assert model.encoder.layers[-1].compute_dtype == "bfloat16"  # as Keras
     note = kmp.planning.plan(model).decision("encoder/" + model.encoder.layers[-1].name)
     assert "training code failed" in note.note and note.policy.name == "mixed_bfloat16"
+
+
+def test_a_reloaded_model_with_its_own_logs_gets_the_telemetry_from_attach(tmp_path):
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = OwnLogs(inputs, layers.Dense(1)(layers.Dense(8)(inputs)))
+    kmp.compile(model, optimizer="sgd", loss="mse")
+    x, y = np.ones((16, 4)), np.ones((16, 1))
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.save(tmp_path / "own_logs.keras")
+    loaded = keras.models.load_model(
+        tmp_path / "own_logs.keras", custom_objects={"OwnLogs": OwnLogs}
+    )
+    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
+    kmp.telemetry.attach(loaded)
+    logs = loaded.fit(x, y, batch_size=4, verbose=0).history
+    assert logs["loss_scale"] == [32768.0]
+    assert logs["skipped_steps"] == [0.0] and logs["skipped_steps_total"] == [0.0]
