@@ -86,11 +86,12 @@ class TrainFunction:
             logs = self._first_step(model, iterator)
         else:
             logs = self._inner(iterator)
-        if self._complete_plan and planning.ready(model):
-            # Built only by the step's own trace: the plan is completed now,
-            # and the next step is traced again if a layer changed.
+        if self._complete_plan:
+            # Built only by the first step's own trace: the plan is completed
+            # now (or never, where kmp cannot trace the model), and the next
+            # step is traced again if a layer changed.
             self._complete_plan = False
-            if planning.complete(model):
+            if planning.ready(model) and planning.complete(model):
                 self._inner = self._keras_function(model)
         # fit hands over a tf.data iterator (train_on_batch a generator).
         from_fit = isinstance(
