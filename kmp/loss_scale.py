@@ -522,8 +522,8 @@ SIXTEEN_BIT_LOSS = (
 
 def check_loss(loss, mode: str) -> bool:
     """Refuses a loss that cannot be scaled (not floating point); True for a
-    16-bit one, which the caller scales in float32
-    (`SIXTEEN_BIT_LOSS` says so)."""
+    16-bit one while scaling, of which the caller warns
+    (`SIXTEEN_BIT_LOSS`)."""
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
         return False

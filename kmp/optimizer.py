@@ -488,7 +488,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return grads
 
     def note_sixteen_bit_loss(self, loss) -> None:
-        """Warns once that a 16-bit loss is scaled in float32."""
+        """Warns once that a 16-bit loss is scaled (`SIXTEEN_BIT_LOSS`)."""
         self._warn_once(
             "16-bit loss", ls.SIXTEEN_BIT_LOSS.format(dtype=loss.dtype.name)
         )

@@ -244,10 +244,11 @@ def plan(
     forced: dict[int, tuple[policy_lib.Policy, str, str]] = {}
     weights = _weight_count(model)
     scores_inside: frozenset[int] | None = None  # traced once, when needed
-    inner_outputs = _inner_outputs(model)
+    sites = _sites(model, base)
+    inner_outputs = _inner_outputs(sites)
     inherited_at: dict[int, policy_lib.Policy] = {}
 
-    for site in _sites(model, base):
+    for site in sites:
         layer, path = site.layer, site.path
         inherited = decided.get(id(site.parent), base)
         inherited_at[id(layer)] = inherited
@@ -311,12 +312,7 @@ def plan(
     decisions = _checked_outputs(model, decisions, inherited_at, base)
     refused = _refused.get(model, {})
     decisions = [
-        dataclasses.replace(
-            d,
-            policy=inherited_at[id(d.layer)],
-            rule=POLICY if inherited_at[id(d.layer)] == base else INHERITED,
-            note=f"an output user code receives, but {refused[id(d.layer)]}",
-        )
+        _given_back(d, inherited_at[id(d.layer)], base, refused[id(d.layer)])
         if id(d.layer) in refused and d.rule in _FLOAT32_OUTPUTS
         else d
         for d in decisions
@@ -336,14 +332,10 @@ def has_no_call(model) -> bool:
 
 
 def runs_own_call(model) -> bool:
-    """Whether calling `model` runs code of its own: a subclassed model
-    with a `call` (a GAN or a VAE written with a `train_step` only has
-    none)."""
-    if traversal.is_graph(model):
-        return False
-    if isinstance(model, keras.Model):
-        return type(model).call is not keras.Model.call
-    return True
+    """Whether calling `model` runs code of its own: a custom layer, or a
+    subclassed model with a `call` (a GAN or a VAE written with a
+    `train_step` only has none)."""
+    return not traversal.is_graph(model) and traversal.has_own_call(model)
 
 
 def _sites(model, base):
@@ -360,9 +352,11 @@ def _sites(model, base):
       A model `call` runs for its own ends (a block, a backbone) is left.
 
     Checked again, with their new dtype, by `_checked_outputs`."""
-    if traversal.is_graph(model) or not isinstance(model, keras.Model):
-        return list(traversal.walk(model))
-    if not base.is_16bit:
+    if (
+        traversal.is_graph(model)
+        or not isinstance(model, keras.Model)
+        or not base.is_16bit
+    ):
         return list(traversal.walk(model))
     graphs = {id(c) for c in traversal.children(model) if traversal.is_graph(c)}
     if has_no_call(model):
@@ -372,10 +366,7 @@ def _sites(model, base):
         return list(traversal.walk(model))
     # A model its call does not run goes to the model's own training code
     # (a distiller's teacher in compute_loss), where it has some.
-    own_training = any(
-        getattr(type(model), name) is not getattr(keras.Model, name)
-        for name in ("train_step", "compute_loss")
-    )
+    own_training = bool(traversal.training_code(model))
     called = {
         key
         for key in graphs
@@ -405,7 +396,7 @@ def _checked_outputs(model, decisions, inherited_at, base):
     checked = [
         i
         for i, d in enumerate(decisions)
-        if d.rule in (OUTPUT, CALLED_OUTPUT, INNER_OUTPUT)
+        if d.rule in _FLOAT32_OUTPUTS
         and d.site.user_code is not None
         and (d.site.user_code is not model or runs_own_call(model))
     ]
@@ -430,23 +421,28 @@ def _checked_outputs(model, decisions, inherited_at, base):
     )
     result = list(decisions)
     for i in checked:
-        d = decisions[i]
-        inherited = inherited_at[id(d.layer)]
-        rule = POLICY if inherited == base else INHERITED
-        result[i] = dataclasses.replace(
-            d,
-            policy=inherited,
-            rule=rule,
-            note=f"an output user code receives, but {why}",
+        result[i] = _given_back(
+            decisions[i], inherited_at[id(decisions[i].layer)], base, why
         )
     return result
 
 
-def _inner_outputs(model) -> dict[int, str]:
-    """{id(layer): model name} for the layers that produce the outputs of
-    the models nested in `model` that kmp prepared on their own (a teacher
-    compiled with kmp.compile before its distiller)."""
-    sites = list(traversal.walk(model))
+def _given_back(d: Decision, inherited, base, why: str) -> Decision:
+    """`d` with its layer's own policy back, in place of a float32 output
+    that user code cannot take (`why`)."""
+    return dataclasses.replace(
+        d,
+        policy=inherited,
+        rule=POLICY if inherited == base else INHERITED,
+        note=f"an output user code receives, but {why}",
+    )
+
+
+def _inner_outputs(sites) -> dict[int, str]:
+    """{id(layer): model name} for the layers, among a model's `sites`,
+    that kmp gave a float32 output to when it prepared the model nested in
+    it that they belong to (a teacher compiled with kmp.compile before its
+    distiller)."""
     layers = {id(s.layer): s.layer for s in sites}
     found: dict[int, str] = {}
     for site in sites:

@@ -151,7 +151,7 @@ class LossScaleTelemetry(keras.metrics.Metric):
                 if not opt.took_step():
                     continue
                 trained = True
-                values = _values(label, opt, prefix, self._start_variable(label))
+                values = _values(opt, prefix, self._start_variable(label))
                 logs.update(values)
                 if len(optimizers) == 1:
                     loss = self._loss_of_applied_steps(opt, values["skipped_steps"])
@@ -165,7 +165,7 @@ class LossScaleTelemetry(keras.metrics.Metric):
         return logs if trained else {}
 
 
-def _values(label: str, opt, prefix: str, epoch_start) -> dict[str, Any]:
+def _values(opt, prefix: str, epoch_start) -> dict[str, Any]:
     """The telemetry of one optimizer (tensors), read from its variables:
     `skipped_steps` only where `epoch_start` (the count at the epoch's
     start) is known."""
@@ -197,7 +197,7 @@ def step_logs(model: keras.Model, per_epoch: bool) -> dict[str, Any]:
             if per_epoch and isinstance(metric, LossScaleTelemetry)
             else None
         )
-        logs.update(_values(label, opt, prefix, start))
+        logs.update(_values(opt, prefix, start))
     return logs
 
 
@@ -286,7 +286,7 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     >>> sorted(k for k in history.history if "skip" in k or "scale" in k)
     ['loss_scale', 'skipped_steps', 'skipped_steps_total']
     """
-    refused = track(model)
+    refused = _add_metric(model)
     if refused:
         logger.debug(
             "kmp.telemetry: %s's state is locked (%s): the train function adds "
@@ -298,7 +298,7 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     return model
 
 
-def track(model: keras.Model) -> str:
+def _add_metric(model: keras.Model) -> str:
     """Adds a `LossScaleTelemetry` to `model`'s metrics (once), and has a
     train step traced before traced again with it. Returns `''`, or why
     Keras refused (it locks a built subclassed model's state)."""

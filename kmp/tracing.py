@@ -192,6 +192,13 @@ def _input_specs(model):
     )
 
 
+def _no_shapes(model) -> str:
+    return (
+        f"{type(model).__name__} has no input shapes kmp can read (not built, "
+        "or a subclassed model with several inputs)"
+    )
+
+
 def traceable(model: keras.layers.Layer) -> bool:
     """Whether kmp can read input shapes to trace `model` with (`trace`)."""
     return _input_specs(model) is not None
@@ -222,14 +229,7 @@ def trace(model: keras.layers.Layer) -> Trace:
     """
     specs = _input_specs(model)
     if specs is None:
-        return Trace(
-            {},
-            error=(
-                f"{type(model).__name__} has no input shapes kmp can read (not "
-                "built, or a subclassed model with several inputs): nothing to "
-                "trace"
-            ),
-        )
+        return Trace({}, error=f"{_no_shapes(model)}: nothing to trace")
     concrete, error, where = _concrete(model, specs)
     if error:
         return Trace({}, error=error, error_at=where)
@@ -451,12 +451,7 @@ def output_sources(model: keras.layers.Layer) -> OutputSources:
     """
     specs = _input_specs(model)
     if specs is None:
-        return OutputSources(
-            error=(
-                f"{type(model).__name__} has no input shapes kmp can read (not "
-                "built, or a subclassed model with several inputs)"
-            )
-        )
+        return OutputSources(error=_no_shapes(model))
     concrete, error, _ = _concrete(model, specs)
     if error:
         return OutputSources(error=error)

@@ -93,11 +93,7 @@ class TrainFunction:
             self._complete_plan = False
             if planning.ready(model) and planning.complete(model):
                 self._inner = self._keras_function(model)
-        # fit hands over a tf.data iterator (train_on_batch a generator).
-        from_fit = isinstance(
-            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-        )
-        if not from_fit or not isinstance(logs, dict):
+        if not _from_fit(iterator) or not isinstance(logs, dict):
             return logs
         if self._adds is None:
             self._per_epoch = self._epoch_check(model)
@@ -119,11 +115,7 @@ class TrainFunction:
         try:
             return self._inner(iterator)
         except (TypeError, tf.errors.InvalidArgumentError) as e:
-            mixed = tracing.mixes_dtypes(e)
-            from_fit = isinstance(
-                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-            )
-            if not (mixed and from_fit):
+            if not (tracing.mixes_dtypes(e) and _from_fit(iterator)):
                 raise
             why = (
                 f"its training code failed with it in float32 ({tracing.error_line(e)})"
@@ -166,6 +158,11 @@ class TrainFunction:
         finally:
             model.train_function = self
         return inner
+
+
+def _from_fit(iterator: Any) -> bool:
+    """fit hands over a tf.data iterator (train_on_batch a generator)."""
+    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
 def _build(model: keras.Model, iterator: Any) -> None:

@@ -116,19 +116,39 @@ def children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     ]
 
 
+def has_own_call(layer: keras.layers.Layer) -> bool:
+    """False for a `keras.Model` subclass that defines no `call` (a GAN or a
+    VAE written with a `train_step` only)."""
+    return not isinstance(layer, keras.Model) or type(layer).call is not (
+        keras.Model.call
+    )
+
+
+def training_code(model: keras.layers.Layer) -> list[str]:
+    """The training methods a `keras.Model` subclass defines itself, of
+    `train_step` and `compute_loss`."""
+    if not isinstance(model, keras.Model):
+        return []
+    return [
+        name
+        for name in ("train_step", "compute_loss")
+        if getattr(type(model), name) is not getattr(keras.Model, name)
+    ]
+
+
 def code_of(layer: keras.layers.Layer | None) -> str:
     """The user code in `layer` that consumes its sublayers' outputs, by
     the name of a method that exists: `'Net.call'`, or for a model with no
     call of its own `'VAE.train_step'` (or `compute_loss`)."""
     if layer is None:
         return "user code"
-    cls = type(layer)
-    if isinstance(layer, keras.Model) and cls.call is keras.Model.call:
-        for method in ("train_step", "compute_loss"):
-            if getattr(cls, method) is not getattr(keras.Model, method):
-                return f"{cls.__name__}.{method}"
-        return f"the code that calls {cls.__name__}'s models"
-    return f"{cls.__name__}.call"
+    name = type(layer).__name__
+    if not has_own_call(layer):
+        methods = training_code(layer)
+        if methods:
+            return f"{name}.{methods[0]}"
+        return f"the code that calls {name}'s models"
+    return f"{name}.call"
 
 
 def is_graph(model: keras.layers.Layer) -> bool:
