@@ -19,6 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # The suite runs on every core (pytest-xdist), a test file per worker.
 test: lint
