@@ -1,12 +1,14 @@
 # Two commands set up and run everything on a fresh machine:
 #   make test   create .venv, install kmp with its test extra, lint, run the suite
 #   make demo   create .venv, install kmp, run the main job (kmp demo)
+# and one more:
+#   make docs   build the documentation site (MkDocs) into site/
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint clean
+.PHONY: test demo lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The suite runs on every core (pytest-xdist), a test file per worker.
 test: lint
@@ -28,5 +31,8 @@ test: lint
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

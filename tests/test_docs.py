@@ -1,5 +1,8 @@
-"""Every Python code block in the README runs, and every example script runs."""
+"""Every code block in the README and the guides in docs/ runs, every
+link between them resolves, the documentation site builds, and every
+example script runs."""
 
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -9,7 +12,27 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+# The README, then each guide: name (relative to the root) -> text.
+PAGES = {
+    "README.md": README,
+    **{
+        f"docs/{path.name}": path.read_text()
+        for path in sorted((ROOT / "docs").glob("*.md"))
+    },
+}
+# (page, index) -> the code of one ```python block, in page order.
+BLOCKS = {
+    (name, index): block
+    for name, text in PAGES.items()
+    for index, block in enumerate(
+        re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    )
+}
+SHELL_BLOCKS = [
+    block
+    for text in PAGES.values()
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.DOTALL)
+]
 
 
 def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -23,13 +46,10 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-SHELL_BLOCKS = re.findall(r"```sh\n(.*?)```", README, flags=re.DOTALL)
-
-
-def test_readme_shell_commands_exist():
-    """Each command in the README's shell blocks is a real one: `make`
-    targets are in the Makefile, `kmp ...` lines parse with the CLI, and
-    `pip install` lines name extras the package has."""
+def test_shell_commands_exist():
+    """Each command in the shell blocks of the README and the guides is a
+    real one: `make` targets are in the Makefile, `kmp ...` lines parse with
+    the CLI, and `pip install` lines name extras the package has."""
     import tomllib
 
     import kmp_cli
@@ -61,13 +81,119 @@ def test_readme_shell_commands_exist():
                 kmp_cli.build_parser().parse_args(words[1:])
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 3
+@pytest.mark.parametrize(
+    "page, index", list(BLOCKS), ids=[f"{name}[{i}]" for name, i in BLOCKS]
+)
+def test_python_block_runs(page, index):
+    """Each block runs on its own, in a fresh namespace (kmp's state is reset
+    between tests): no block relies on one before it."""
+    code = BLOCKS[page, index]
+    exec(compile(code, f"{page}[block {index}]", "exec"), {})
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index):
-    exec(compile(BLOCKS[index], f"README.md[block {index}]", "exec"), {})
+def _expand_snippets(text: str) -> str:
+    """A page as MkDocs renders it: `--8<-- "FILE:SECTION"` lines
+    (pymdownx.snippets) replaced with that section of FILE."""
+
+    def section(match: re.Match) -> str:
+        path, _, name = match[1].partition(":")
+        source = (ROOT / path).read_text()
+        if not name:
+            return source
+        found = re.search(
+            rf"--8<-- \[start:{name}\].*?\n(.*?)^[^\n]*--8<-- \[end:{name}\]",
+            source,
+            flags=re.DOTALL | re.M,
+        )
+        assert found, f"no section {name!r} in {path}"
+        return found[1]
+
+    return re.sub(r'^--8<-- "([^"]+)"$', section, text, flags=re.M)
+
+
+def _anchors(text: str) -> set[str]:
+    """The ids of a page's headings, as GitHub and MkDocs's toc make them."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6} (.*)$", text, flags=re.M)
+    }
+
+
+def _links(text: str) -> list[str]:
+    """The targets of a page's Markdown links, outside code."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def _headings(path: pathlib.Path) -> set[str]:
+    return _anchors(_expand_snippets(path.read_text()))
+
+
+def test_every_relative_link_resolves():
+    """Each relative link in the README and the guides (the guides as the
+    site renders them, with the README's sections they include) names a
+    file that exists, and an anchor that is one of its headings."""
+    broken = []
+    for name, text in PAGES.items():
+        rendered = _expand_snippets(text)
+        for link in _links(rendered):
+            if re.match(r"[a-z]+:", link):
+                continue  # https:, mailto:
+            path, _, anchor = link.partition("#")
+            target = (ROOT / name).parent / path if path else ROOT / name
+            if not target.is_file():
+                broken.append(f"{name}: {link}")
+            elif anchor and target.suffix == ".md" and anchor not in _headings(target):
+                broken.append(f"{name}: {link} (no such heading)")
+    assert not broken
+
+
+def test_every_guide_is_linked_from_the_readme_and_in_the_site_nav():
+    """A guide in docs/ that the README does not link, or that mkdocs.yml's
+    nav leaves out, is one nobody finds. (docs/index.md is the site's home,
+    which shows the README's own sections.)"""
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = re.search(r"^nav:\n((?:[ \t]+.*\n)+)", config, flags=re.M)
+    assert nav, "mkdocs.yml has no nav"
+    in_nav = set(re.findall(r"([\w/-]+\.md)\s*$", nav[1], flags=re.M))
+    guides = {path.name for path in (ROOT / "docs").glob("*.md")}
+    assert guides == in_nav
+    linked = {
+        link.partition("#")[0].removeprefix("docs/")
+        for link in _links(README)
+        if link.startswith("docs/")
+    }
+    assert guides - {"index.md"} <= linked
+
+
+@pytest.mark.slow
+def test_docs_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict` (as `make lint` runs it): every page, link
+    and API-reference entry resolves, with no warning from the docstrings."""
+    for module, package in (
+        ("mkdocs", "mkdocs"),
+        ("mkdocstrings_handlers.python", "mkdocstrings-python"),
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            found = False
+        if not found:
+            pytest.skip(f"{package} is not installed (it is in the test extra)")
+    site = str(tmp_path / "site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert 'id="kmp.set_policy"' in api and 'id="kmp.LossScaleOptimizer"' in api
 
 
 @pytest.mark.slow
@@ -147,10 +273,11 @@ def test_qlora_example_fine_tunes_a_quantized_lora_llama_above_chance():
 
 
 def test_user_facing_text_has_no_internal_references():
-    """The README and kmp's own text (docstrings, messages, doctor's
-    warnings) travel with the installed package: no issue numbers, no
-    benchmarks/RESULTS.md (not installed), no "this project's" machine."""
-    texts = {"README.md": README}
+    """The README, the guides and kmp's own text (docstrings, messages,
+    doctor's warnings, which travel with the installed package) speak of
+    behaviour: no issue numbers, no benchmarks/RESULTS.md (not installed),
+    no "this project's" machine."""
+    texts = dict(PAGES)
     for package in ("kmp", "kmp_cli"):
         for path in (ROOT / package).rglob("*.py"):
             texts[str(path.relative_to(ROOT))] = path.read_text()
