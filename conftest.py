@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp import policy as policy_lib  # noqa: E402
+from kmp.precision import policy as policy_lib  # noqa: E402
 
 # float32 references must be float32: no TF32 on GPUs that have it.
 tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -56,7 +56,7 @@ def _reset():
     policy_lib._last_set = None
     kmp.clear_layer_policies()
     kmp.rules.set_attention_scores("auto")
-    kmp.kinds._clear_registrations()
+    kmp.precision.kinds._clear_registrations()
     policy_lib._unregister_user_policies()
 
 

@@ -35,7 +35,7 @@ from _timing import interleaved
 from _timing import summary
 
 import kmp
-from kmp import bench
+from kmp.tools import bench
 
 F32 = "float32"
 # name: (policy, kmp.compile?, scores mode or {sublayer attribute: policy})

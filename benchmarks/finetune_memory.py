@@ -79,7 +79,7 @@ def run_variant(variant: str, policy: str, steps: int) -> dict:
             lm.quantize(mode, filters=keep)
     if "lora" in variant:
         lm.backbone.enable_lora(8)
-        for site in kmp.traversal.walk(lm):
+        for site in kmp.precision.traversal.walk(lm):
             if getattr(site.layer, "lora_enabled", False):
                 site.layer.lora_alpha = 32
     kmp.compile(

@@ -25,7 +25,7 @@ import tensorflow as tf
 from _timing import cpu_model
 
 import kmp
-from kmp import fused
+from kmp.backend import fused
 
 SIZES = (30_000, 100_000, 300_000, 1_000_000, 3_000_000, 10_000_000)
 APPLIES = 20

@@ -35,8 +35,8 @@ from _timing import interleaved
 from _timing import summary
 
 import kmp
-from kmp import bench
-from kmp import fused
+from kmp.backend import fused
+from kmp.tools import bench
 
 
 def update_alone(repeats: int, clock) -> dict:
@@ -118,7 +118,7 @@ def end_to_end(model_name: str, rounds: int, steps: int, batch_size: int) -> dic
     """Each variant in a fresh process per round, rounds in alternating
     order; medians over every timed step (the first step of a run is its
     tracing and compiling, reported apart)."""
-    from kmp import _runs
+    from kmp.tools import runs as _runs
 
     names = list(VARIANTS)
     runs = {name: [] for name in names}

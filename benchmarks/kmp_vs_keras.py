@@ -30,7 +30,7 @@ from _timing import interleaved
 from _timing import summary
 
 import kmp
-from kmp import bench
+from kmp.tools import bench
 
 
 def main():
@@ -47,7 +47,9 @@ def main():
     runs = {}
     for name in ("keras", "kmp", "kmp, update not fused"):
         if name == "keras":
-            keras.config.set_dtype_policy(kmp.policy.get(args.policy).keras_name)
+            keras.config.set_dtype_policy(
+                kmp.precision.policy.get(args.policy).keras_name
+            )
         else:
             kmp.set_policy(args.policy)
         model, make = bench.build_model(args.model)

@@ -29,7 +29,7 @@ from _timing import interleaved
 from _timing import summary
 
 import kmp
-from kmp import fused
+from kmp.backend import fused
 
 
 def mlp():

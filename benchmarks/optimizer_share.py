@@ -21,7 +21,7 @@ from _timing import interleaved
 from _timing import summary
 
 import kmp
-from kmp import bench
+from kmp.tools import bench
 
 
 def main():

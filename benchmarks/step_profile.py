@@ -27,7 +27,7 @@ import tensorflow as tf
 from _timing import cpu_model
 
 import kmp
-from kmp import bench
+from kmp.tools import bench
 
 KINDS = (
     "matmul",

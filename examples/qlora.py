@@ -132,7 +132,7 @@ def finetune(weights, policy, mode, steps, learning_rate, rng) -> dict:
         lm.quantize(mode, filters=keep)
     # KerasHub: freezes the backbone and puts LoRA on query and value.
     lm.backbone.enable_lora(8)
-    for site in kmp.traversal.walk(lm):
+    for site in kmp.precision.traversal.walk(lm):
         if getattr(site.layer, "lora_enabled", False):
             site.layer.lora_alpha = 32  # the product is scaled by alpha / rank
     kmp.compile(

@@ -1,373 +1,52 @@
-"""Precision rules: which layers compute in which dtype, and why.
+"""Precision rules: which layers compute in which dtype, and why: your rules
+(`set_layer_policy`), the layer kinds kmp knows (and `register_layer_class`
+for your own), and the attention scores mode.
 
-Under a 16-bit policy most layers compute in float16/bfloat16. A few are
-numerically sensitive, and kmp's rules say what to do with each. kmp applies
-its decisions through Keras's public `layer.dtype_policy` setter (they take
-effect at the layer's next call); `kmp.prepare` applies them and
-`kmp.precision_report` shows them.
-
-**The principle: interfaces keep their dtype.** In Keras a layer's policy
-sets both the dtype it computes in and the dtype it returns, and TensorFlow
-never promotes mixed dtypes in raw ops (`float32 + float16` raises). So a
-rule may change how a layer computes, never the dtype of what it hands to
-the next piece of user code:
-
-* A float32 *island* (a layer put in float32 whole) is applied only where
-  everything that consumes the layer's output absorbs a dtype change: in a
-  Functional or Sequential graph, whose consumers are Keras layers (they
-  cast their inputs) and `keras.ops` nodes that fix their output dtype or
-  compute in their inputs' (then their own consumers are checked in turn;
-  ops that do neither, such as `slice_update`, stop it). Inside a user's
-  `Layer.call` the layer is left as it is, and `kmp.debug.precision_audit`
-  names the risk with the fix to write there. (`kmp.traversal.Site`
-  records which case a layer is in.)
-* Keras's normalization layers (`BatchNormalization`, `LayerNormalization`,
-  `GroupNormalization`, `RMSNormalization`) already compute their
-  statistics in float32 on 16-bit inputs and return the compute dtype: kmp
-  leaves them alone, and its report says "float32 inside (Keras)". So do
-  the KerasHub normalizations `kmp.kinds.DEFAULTS` lists as
-  `NORMALIZATION_FLOAT32_INSIDE` (T5's computes in the compute dtype).
-* The model's outputs become float32 (every output, whatever its
-  activation): the layer that produces an output of a Functional or
-  Sequential model (directly, or through ops that keep its dtype) computes
-  in float32. That is what TensorFlow's guide asks of the last layer, and it
-  is what makes `predict` return float32 arrays. A custom layer with code
-  of its own computes in float32 whole when it is a head (at most 10% of
-  the weights); a larger one, and a subclassed model's outputs, keep their
-  dtype, and the audit says how to add a float32 output.
-* Attention (`MultiHeadAttention`, `GroupQueryAttention` and subclasses that
-  keep Keras's attention code): the rule changes only sublayers whose
-  outputs Keras's own attention code consumes with `keras.ops` that promote,
-  so the layer returns the dtype it returned before. Its softmax's output is
-  the scores it returns with `return_attention_scores=True`: the softmax
-  changes wherever those scores stay inside the layer (kmp traces the model
-  to see it when user code calls the layer) or reach consumers that absorb
-  a dtype change, and keeps its policy only where they reach user code.
-  What it does is set by `set_attention_scores` (below).
-
-Resolution order, for each float layer (first match wins):
-
-1. An explicit `dtype=` given to the layer's constructor (detected as a policy
-   that differs from the model's and was not set by kmp).
-2. A layer-name rule: `kmp.set_layer_policy("name:<glob>", policy)`, matched
-   against the layer's name and its path inside the model (`"block/attn"`).
-3. A class rule: `kmp.set_layer_policy(LayerClass, policy)` (the class and
-   its subclasses) or `kmp.set_layer_policy("class:<glob>", policy)` (matched
-   against the layer's class name).
-4. kmp's defaults, which apply only where the policy in force computes in a
-   16-bit dtype: the layer kinds in `kmp.kinds.DEFAULTS` (what kmp does
-   with each, and why), and float32 for the layers that produce the model's outputs.
-5. The policy of the enclosing layer: the model's own policy at the top, and a
-   container layer's decided policy for the layers inside it (so
-   `kmp.set_layer_policy(MyBlock, "float32")` puts the whole block in float32).
-
-A user rule (ranks 2 and 3) is the user's explicit choice and is applied
-wherever it matches, also where it changes what a layer returns. Two rules
-of the same rank that match one layer and disagree raise `RuleConflictError`;
-`prepare` then changes nothing. Layers whose policy is not a float policy
-(`Hashing`, `StringLookup`, integer preprocessing) and quantized layers are
-left as they are.
-
-Attention scores (`set_attention_scores`): under float16 the default is
-`"float32"`: the query and key projections, the scores and the softmax
-compute in float32, the value and output projections (and dropout) in
-float16. Keras multiplies query by key in the compute dtype, so float16
-logits overflow to inf (and the output to NaN) at inputs of scale 100-300;
-bfloat16 has float32's range and cannot overflow there. Under bfloat16 the
-default is `"compute"`, Keras's own attention: 16-bit projections and
-scores, with the softmax in float32 on Keras's fused path. Accurate scores
-under bfloat16 need unrounded query *and* key projections (one rounded to
-bfloat16 already gives Keras's error at large logits), and two float32
-projections cost more step time than a bfloat16 model can give back (see
-benchmarks/attention_rule.py); `set_attention_scores("float32")` buys that
-accuracy for users who want it.
-
-One speed rule: under float16 on a machine with no GPU or TPU, convolutions
-compute in float32 where their consumers cast (TensorFlow's float16 CPU
-convolutions are slow both with and without native float16 math).
+A public module of kmp's: it only re-exports, from where each name lives.
 """
 
-from __future__ import annotations
+from kmp.precision.attention import ATTENTION_MODES
+from kmp.precision.attention import attention_scores
+from kmp.precision.attention import set_attention_scores
+from kmp.precision.kinds import ATTENTION_FLOAT32_SOFTMAX
+from kmp.precision.kinds import ATTENTION_OWN_CODE
+from kmp.precision.kinds import DEFAULTS
+from kmp.precision.kinds import NORMALIZATION_16BIT
+from kmp.precision.kinds import NORMALIZATION_FLOAT32_INSIDE
+from kmp.precision.kinds import SOFTMAX
+from kmp.precision.kinds import LayerKind
+from kmp.precision.kinds import register_layer_class
+from kmp.precision.kinds import unregister_layer_class
+from kmp.precision.names import closest
+from kmp.precision.names import known_layer_class_names
+from kmp.precision.names import unmatched_message
+from kmp.precision.rules import FLOAT32
+from kmp.precision.rules import LayerRule
+from kmp.precision.rules import RuleConflictError
+from kmp.precision.rules import clear_layer_policies
+from kmp.precision.rules import layer_rules
+from kmp.precision.rules import set_layer_policy
 
-import dataclasses
-import difflib
-import fnmatch
-import logging
-import threading
-from typing import Any
-
-import keras
-
-from kmp import _warn
-from kmp import policy as policy_lib
-
-# The layer kinds and their registry live in kmp.kinds; registering a class
-# is a rule, so it is reachable from here too.
-from kmp.kinds import ATTENTION_FLOAT32_SOFTMAX  # noqa: F401
-from kmp.kinds import ATTENTION_OWN_CODE  # noqa: F401
-from kmp.kinds import DEFAULTS  # noqa: F401
-from kmp.kinds import NORMALIZATION_16BIT  # noqa: F401
-from kmp.kinds import NORMALIZATION_FLOAT32_INSIDE  # noqa: F401
-from kmp.kinds import SOFTMAX  # noqa: F401
-from kmp.kinds import LayerKind  # noqa: F401
-from kmp.kinds import register_layer_class  # noqa: F401
-from kmp.kinds import unregister_layer_class  # noqa: F401
-
-logger = logging.getLogger("kmp")
-
-FLOAT32 = "float32"
-
-
-class RuleConflictError(ValueError):
-    """Two precision rules of the same rank disagree about one layer."""
-
-
-# --- user rules -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRule:
-    """A user rule set by `kmp.set_layer_policy`.
-
-    Attributes:
-        kind: `'name'` (a layer-name pattern) or `'class'` (a layer class or a
-            class-name pattern).
-        selector: The pattern string, or the layer class.
-        policy: The policy the matched layers compute in.
-    """
-
-    kind: str
-    selector: str | type
-    policy: policy_lib.Policy
-
-    def describe(self) -> str:
-        if isinstance(self.selector, type):
-            return f"rule {self.selector.__name__}"
-        return f"rule {self.kind}:{self.selector}"
-
-    def matches(self, layer: keras.layers.Layer, path: str) -> bool:
-        if isinstance(self.selector, type):
-            return isinstance(layer, self.selector)
-        if self.kind == "class":
-            return fnmatch.fnmatchcase(type(layer).__name__, self.selector)
-        return fnmatch.fnmatchcase(layer.name, self.selector) or (
-            fnmatch.fnmatchcase(path, self.selector)
-        )
-
-
-_rules: dict[tuple[str, Any], LayerRule] = {}
-_rules_lock = threading.Lock()
-
-
-def _parse_selector(selector: Any) -> tuple[str, str | type]:
-    if isinstance(selector, type):
-        if not issubclass(selector, keras.layers.Layer):
-            raise TypeError(
-                f"A class selector must be a subclass of keras.layers.Layer. "
-                f"Received: {selector.__name__}. Pass a layer class, or match "
-                "class names with 'class:<glob>'."
-            )
-        return "class", selector
-    if isinstance(selector, str):
-        kind, sep, pattern = selector.partition(":")
-        if sep and kind in ("name", "class") and pattern:
-            return kind, pattern
-        raise ValueError(
-            f"Invalid selector {selector!r}. A string selector says what it "
-            "matches: 'name:<glob>' for layer names or paths (e.g. "
-            "'name:head_*'), or 'class:<glob>' for class names (e.g. "
-            "'class:Conv*'). Or pass the layer class itself."
-        )
-    raise TypeError(
-        "A selector is a keras.layers.Layer subclass, 'name:<glob>' or "
-        f"'class:<glob>'. Received: {selector!r} (of type "
-        f"{type(selector).__name__})."
-    )
-
-
-def known_layer_class_names() -> set[str]:
-    """The names of every `keras.layers.Layer` subclass defined so far:
-    Keras's, those of libraries already imported, and the user's."""
-    names: set[str] = set()
-    pending = [keras.layers.Layer]
-    while pending:
-        cls = pending.pop()
-        for sub in cls.__subclasses__():
-            if sub.__name__ not in names:
-                names.add(sub.__name__)
-                pending.append(sub)
-    return names
-
-
-def closest(word: str, candidates: Any, n: int = 3) -> list[str]:
-    """The candidates that come closest to `word` (case-insensitive)."""
-    by_lower = {c.lower(): c for c in candidates}
-    found = difflib.get_close_matches(word.lower(), list(by_lower), n=n, cutoff=0.6)
-    return [by_lower[f] for f in found]
-
-
-def unmatched_message(rule: LayerRule, candidates: Any, where: str) -> str:
-    """Says that `rule` matches nothing in `where`, with the closest names."""
-    pattern = rule.selector if isinstance(rule.selector, str) else ""
-    near = closest(pattern.replace("*", "").replace("?", ""), candidates)
-    hint = (
-        f" Closest {'class names' if rule.kind == 'class' else 'names'}: "
-        f"{', '.join(near)}."
-        if near
-        else ""
-    )
-    return f"kmp: {rule.describe()} matches no layer {where}.{hint}"
-
-
-def set_layer_policy(
-    selector: type | str, policy: str | policy_lib.Policy | None
-) -> LayerRule | None:
-    """Sets the policy of every layer a selector matches, for `kmp.prepare`.
-
-    Setting a rule for a selector that already has one replaces it; a policy
-    of `None` removes it. See the module docstring of `kmp.rules` for the
-    resolution order. A user rule is applied wherever it matches, also where
-    the new policy changes the dtype the layer returns.
-
-    A `'class:<glob>'` pattern that matches no layer class defined so far
-    (a typo such as `'class:Konv2D'`) is reported with a warning naming the
-    closest class names; `kmp.prepare` warns the same way about a rule that
-    matches no layer of the model it prepares.
-
-    Args:
-        selector: A `keras.layers.Layer` subclass (matches it and its
-            subclasses), `'class:<glob>'` (matches class names, e.g.
-            `'class:*Conv*'`) or `'name:<glob>'` (matches layer names and
-            paths, e.g. `'name:head'` or `'name:encoder/*'`).
-        policy: A policy name, a `kmp.Policy`, or `None` to remove the rule.
-
-    Returns:
-        The rule, or `None` when it was removed.
-
-    Example:
-
-    >>> kmp.set_policy("mixed_float16")
-    <Policy "mixed_float16": ...>
-    >>> kmp.set_layer_policy("name:hidden", "float32")
-    LayerRule(kind='name', selector='hidden', policy=<Policy "float32": ...>)
-    >>> model = keras.Sequential([keras.Input((8,)),
-    ...                           keras.layers.Dense(16, name="hidden"),
-    ...                           keras.layers.Dense(16), keras.layers.Dense(4)])
-    >>> [layer.compute_dtype for layer in kmp.prepare(model).layers]
-    ['float32', 'float16', 'float32']
-
-    See also: `kmp.prepare`, `kmp.precision_report`.
-    """
-    kind, parsed = _parse_selector(selector)
-    key = (kind, parsed)
-    with _rules_lock:
-        if policy is None:
-            _rules.pop(key, None)
-            return None
-        rule = LayerRule(kind, parsed, policy_lib.get(policy))
-        previous = _rules.get(key)
-        if previous is not None and previous != rule:
-            logger.info("kmp: %s replaces %s", rule, previous)
-        _rules[key] = rule
-    if kind == "class" and isinstance(parsed, str):
-        names = known_layer_class_names()
-        if not any(fnmatch.fnmatchcase(n, parsed) for n in names):
-            _warn.warn(unmatched_message(rule, names, "class defined so far"))
-    return rule
-
-
-def layer_rules() -> list[LayerRule]:
-    """Returns the user rules set with `kmp.set_layer_policy`.
-
-    Example:
-
-    >>> kmp.set_layer_policy(keras.layers.Conv2D, "float32")
-    LayerRule(kind='class', selector=<class '...Conv2D'>, policy=...)
-    >>> [rule.describe() for rule in kmp.layer_rules()]
-    ['rule Conv2D']
-    """
-    with _rules_lock:
-        return list(_rules.values())
-
-
-def clear_layer_policies() -> None:
-    """Removes every rule set with `kmp.set_layer_policy`.
-
-    Example:
-
-    >>> kmp.set_layer_policy("name:head", "float32")
-    LayerRule(...)
-    >>> kmp.clear_layer_policies()
-    >>> kmp.layer_rules()
-    []
-    """
-    with _rules_lock:
-        _rules.clear()
-
-
-# --- attention scores -----------------------------------------------------------
-
-ATTENTION_MODES = ("auto", "float32", "compute")
-_attention_mode = "auto"
-
-
-def set_attention_scores(mode: str) -> None:
-    """Sets how kmp computes the scores of Keras's attention layers
-    (`MultiHeadAttention`, `GroupQueryAttention`) under 16-bit policies.
-
-    * `'auto'` (default): `'float32'` under float16 (16-bit logits overflow
-      to inf, then NaN), `'compute'` under bfloat16 (float32's range; the
-      speed of Keras's own attention).
-    * `'float32'`: the query and key projections, the scores and the softmax
-      compute in float32; the value and output projections and dropout stay
-      16-bit, so the layer still returns the compute dtype. (Where the layer
-      hands its scores to your code, `return_attention_scores=True`, they
-      keep their dtype: the softmax there stays 16-bit.) Under bfloat16
-      this keeps the attention output within about 0.4% of float32 at any
-      input scale (Keras's bfloat16 attention: 5% at scale 10, 10% at 30),
-      at the cost of two float32 projections.
-    * `'compute'`: Keras's attention as it is, also under float16.
-
-    Args:
-        mode: `'auto'`, `'float32'` or `'compute'`.
-
-    Raises:
-        ValueError: for any other mode.
-
-    Example:
-
-    >>> kmp.rules.set_attention_scores("float32")
-    >>> kmp.set_policy("mixed_bfloat16")
-    <Policy "mixed_bfloat16": ...>
-    >>> inputs = keras.Input((6, 16))
-    >>> attention = keras.layers.MultiHeadAttention(2, 8)
-    >>> outputs = keras.layers.Dense(2)(attention(inputs, inputs))
-    >>> model = kmp.prepare(keras.Model(inputs, outputs))
-    >>> attention.query_dense.compute_dtype, attention.value_dense.compute_dtype
-    ('float32', 'bfloat16')
-    >>> kmp.rules.set_attention_scores("auto")
-    """
-    global _attention_mode
-    if mode not in ATTENTION_MODES:
-        raise ValueError(
-            f"Unknown attention scores mode {mode!r}. Expected one of "
-            f"{', '.join(repr(m) for m in ATTENTION_MODES)}: 'float32' computes "
-            "query/key projections, scores and softmax in float32; 'compute' "
-            "leaves Keras's attention as it is; 'auto' picks 'float32' under "
-            "float16 and 'compute' under bfloat16."
-        )
-    _attention_mode = mode
-
-
-def attention_scores(compute_dtype: str | None = None) -> str:
-    """The attention scores mode in force; with a compute dtype, what
-    `'auto'` resolves to for it (`'float32'` or `'compute'`).
-
-    Example:
-
-    >>> kmp.rules.attention_scores(), kmp.rules.attention_scores("float16")
-    ('auto', 'float32')
-    """
-    if compute_dtype is None or _attention_mode != "auto":
-        return _attention_mode
-    return FLOAT32 if compute_dtype == "float16" else "compute"
+__all__ = [
+    "ATTENTION_FLOAT32_SOFTMAX",
+    "ATTENTION_MODES",
+    "ATTENTION_OWN_CODE",
+    "DEFAULTS",
+    "FLOAT32",
+    "NORMALIZATION_16BIT",
+    "NORMALIZATION_FLOAT32_INSIDE",
+    "SOFTMAX",
+    "LayerKind",
+    "LayerRule",
+    "RuleConflictError",
+    "attention_scores",
+    "clear_layer_policies",
+    "closest",
+    "known_layer_class_names",
+    "layer_rules",
+    "register_layer_class",
+    "set_attention_scores",
+    "set_layer_policy",
+    "unmatched_message",
+    "unregister_layer_class",
+]

@@ -2,7 +2,7 @@
 (so that `kmp --help` answers at once) and a quiet start for TensorFlow
 (so that its C++ start-up notices do not read like failures).
 
-The commands themselves are in `kmp.cli`.
+The commands themselves are in `kmp.tools.cli`.
 """
 
 from kmp_cli.command_line import build_parser

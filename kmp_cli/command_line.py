@@ -2,7 +2,7 @@
 
 Parsing needs no TensorFlow: `kmp --help`, `kmp bench --help` and
 `kmp --version` answer without importing it. A command imports it (quietly,
-`kmp_cli.quiet`) and then runs from `kmp.cli`.
+`kmp_cli.quiet`) and then runs from `kmp.tools.cli`.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         quiet.start_tensorflow()
-        from kmp import cli
+        from kmp.tools import cli
 
         return cli.run(args)
     except (ValueError, ImportError, RuntimeError) as e:

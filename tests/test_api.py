@@ -37,9 +37,9 @@ def test_every_kmp_warning_is_issued_at_the_users_line():
     # comes through another kmp function.
     package = pathlib.Path(kmp.__file__).parent
     direct = [
-        f"{path.name}:{number}"
-        for path in sorted(package.glob("*.py"))
-        if path.name != "_warn.py"
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package).as_posix() != "_base/warn.py"
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if "warnings.warn(" in line
     ]

@@ -5,15 +5,15 @@ import sys
 import keras
 import pytest
 
-from kmp import _runs
-from kmp import bench
-from kmp import cli
+import kmp_cli
+from kmp.tools import bench
+from kmp.tools import runs as _runs
 
 
 @pytest.mark.slow
 def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
     plot = tmp_path / "bench.png"
-    code = cli.main(
+    code = kmp_cli.main(
         [
             "bench",
             "--model",
@@ -145,7 +145,7 @@ def test_bench_table_is_printed(capsys, monkeypatch):
         ),
     ]
     monkeypatch.setattr(bench, "run", lambda **kwargs: fake)
-    assert cli.main(["bench"]) == 0
+    assert kmp_cli.main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "policy          ms/step  speed-up" in out
     assert "loss (mean)" in out
@@ -208,7 +208,7 @@ def test_a_ratio_against_a_stopped_plain_keras_run_is_marked_as_a_bound(
         ),
     ]
     monkeypatch.setattr(bench, "run", lambda **kwargs: fake)
-    assert cli.main(["bench", "--keras", "--policies", "mixed_float16"]) == 0
+    assert kmp_cli.main(["bench", "--keras", "--policies", "mixed_float16"]) == 0
     out = capsys.readouterr().out
     assert ">=300.00" in out
     assert "15000.0 (stopped early)" in out

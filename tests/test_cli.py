@@ -7,7 +7,6 @@ import pytest
 
 import kmp
 import kmp_cli
-from kmp import cli
 from kmp_cli import quiet
 
 # A line of TensorFlow's C++ logging (absl's prefix), or absl's own notice.
@@ -32,7 +31,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_policies_command_prints_the_table_and_the_auto_choice(capsys):
-    assert cli.main(["policies"]) == 0
+    assert kmp_cli.main(["policies"]) == 0
     out = capsys.readouterr().out
     assert "mixed_float16   float16   float32    yes" in out
     assert "mixed_bfloat16  bfloat16  float32    no" in out
@@ -40,13 +39,13 @@ def test_policies_command_prints_the_table_and_the_auto_choice(capsys):
 
 
 def test_no_command_prints_help_and_fails(capsys):
-    assert cli.main([]) == 2
+    assert kmp_cli.main([]) == 2
     assert "usage: kmp" in capsys.readouterr().err
 
 
 def test_unknown_command_is_an_error():
     with pytest.raises(SystemExit) as info:
-        cli.main(["fly"])
+        kmp_cli.main(["fly"])
     assert info.value.code == 2
 
 

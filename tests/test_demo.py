@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from kmp import cli
-from kmp import demo
+import kmp_cli
 from kmp import hardware
+from kmp.tools import demo
 
 
 @pytest.mark.slow
@@ -14,7 +14,9 @@ def test_demo_trains_each_policy_to_float32_accuracy(capsys, tmp_path):
     plot = tmp_path / "demo.png"
     # The default model at the fewest epochs that count as converged.
     epochs = str(demo.CONVERGED_EPOCHS)
-    assert cli.main(["demo", "--json", "--epochs", epochs, "--plot", str(plot)]) == 0
+    assert (
+        kmp_cli.main(["demo", "--json", "--epochs", epochs, "--plot", str(plot)]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "mlp"  # matmuls dominate its step
     assert report["fast_path"] == hardware.fast_path(hardware.capabilities())
@@ -31,7 +33,7 @@ def test_demo_trains_each_policy_to_float32_accuracy(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_demo_table_with_the_transformer(capfd, tmp_path):
-    code = cli.main(
+    code = kmp_cli.main(
         [
             "demo",
             "--model",
@@ -95,7 +97,7 @@ def test_demo_policies_are_float32_auto_and_float16():
 
 
 def test_demo_cli_reports_bad_arguments_in_one_line(capsys):
-    assert cli.main(["demo", "--epochs", "0"]) == 2
+    assert kmp_cli.main(["demo", "--epochs", "0"]) == 2
     assert capsys.readouterr().err.strip() == (
         "kmp demo: epochs must be >= 1. Received: epochs=0."
     )

@@ -3,8 +3,9 @@ import json
 import pytest
 
 import kmp
-from kmp import cli
+import kmp_cli
 from kmp import hardware
+from kmp.backend import machine
 
 
 def caps(flags=(), gpus=(), tpus=0):
@@ -105,9 +106,9 @@ def test_fast_path_names_what_a_speed_up_comes_from(machine, expected):
 
 
 def test_doctor_states_the_fused_update_rule(capsys, monkeypatch):
-    from kmp import fused
+    from kmp.backend import fused
 
-    assert cli.main(["doctor"]) == 0
+    assert kmp_cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert f"fused update: {fused.rule()}" in out
     monkeypatch.setattr(fused, "default_for_machine", lambda: True)
@@ -127,7 +128,7 @@ def test_doctor_returns_data_matching_the_auto_policy():
 
 
 def test_doctor_command_prints_devices_auto_and_versions(capsys):
-    assert cli.main(["doctor"]) == 0
+    assert kmp_cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "device  name" in out and "CPU" in out
     assert f"'auto' picks: {kmp.doctor().auto.policy}" in out
@@ -135,7 +136,7 @@ def test_doctor_command_prints_devices_auto_and_versions(capsys):
 
 
 def test_doctor_command_json(capsys):
-    assert cli.main(["doctor", "--json"]) == 0
+    assert kmp_cli.main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["cpu"]["cores"] >= 1
     assert data["auto"]["policy"] in kmp.list_policies()
@@ -202,9 +203,9 @@ def test_doctor_says_what_to_quantize_to_where_auto_picks_float16(monkeypatch):
 
 
 def test_doctor_states_the_process_wide_remapper_setting_on_a_cpu(capsys, monkeypatch):
-    monkeypatch.setattr(hardware, "capabilities", lambda: caps())
+    monkeypatch.setattr(machine, "capabilities", lambda: caps())
     kmp.set_policy("mixed_float16")
-    assert cli.main(["doctor"]) == 0
+    assert kmp_cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "remapper off in this process while a float16 policy" in out
     assert "process-wide" in out and "changes it for both" in out
@@ -221,7 +222,7 @@ def test_doctor_states_the_process_wide_remapper_setting_on_a_cpu(capsys, monkey
 
 
 def test_doctor_is_silent_on_the_remapper_where_kmp_never_switches_it(monkeypatch):
-    monkeypatch.setattr(hardware, "capabilities", lambda: caps(gpus=[("A100", (8, 0))]))
+    monkeypatch.setattr(machine, "capabilities", lambda: caps(gpus=[("A100", (8, 0))]))
     kmp.set_policy("mixed_float16")
     report = kmp.doctor()
     assert report.remapper.enabled and not report.remapper.managed

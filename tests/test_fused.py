@@ -12,10 +12,11 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import bench
-from kmp import demo
-from kmp import fused
 from kmp import hardware
+from kmp.backend import fused
+from kmp.backend import machine
+from kmp.tools import bench
+from kmp.tools import demo
 
 
 def mlp():
@@ -175,7 +176,7 @@ def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
     with_gpu = dataclasses.replace(
         caps, gpus=(hardware.GPUInfo("NVIDIA H100", (9, 0)),)
     )
-    monkeypatch.setattr(hardware, "capabilities", lambda: with_gpu)
+    monkeypatch.setattr(machine, "capabilities", lambda: with_gpu)
     assert fused.resolve(None) is False
     assert fused.resolve(True) is True
     assert fused.resolve(False) is False

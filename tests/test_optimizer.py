@@ -831,14 +831,14 @@ def test_a_float32_sparse_gradient_is_checked_without_finding_its_tokens():
     # sum (tf.unique) is only for 16-bit rows, whose sums overflow easily.
     values = tf.constant([[1.0, 2.0], [3.0, np.nan]])
     grad = tf.IndexedSlices(values, tf.constant([2, 2]), tf.constant([4, 2]))
-    graph = tf.function(lambda: kmp.loss_scale.finite_flags([grad]))
+    graph = tf.function(lambda: kmp.backend.finite.finite_flags([grad]))
     ops = {op.type for op in graph.get_concrete_function().graph.get_operations()}
     assert "Unique" not in ops
     assert not bool(graph()[0])
-    assert bool(kmp.loss_scale.finite_flags([tf.IndexedSlices(
+    assert bool(kmp.backend.finite.finite_flags([tf.IndexedSlices(
         values[:1], tf.constant([2]), tf.constant([4, 2]))])[0])  # fmt: skip
     half = tf.IndexedSlices(tf.cast(values, tf.float16), grad.indices, grad.dense_shape)
-    half_ops = tf.function(lambda: kmp.loss_scale.finite_flags([half]))
+    half_ops = tf.function(lambda: kmp.backend.finite.finite_flags([half]))
     assert "Unique" in {
         op.type for op in half_ops.get_concrete_function().graph.get_operations()
     }

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import mixed_precision
+from kmp.training import tf_keras as mixed_precision
 
 # --- Keras 3: keras/src/optimizers/loss_scale_optimizer_test.py (stateful) ---
 # Differs on purpose: Keras's tests apply hand-made gradients eagerly, which

@@ -9,7 +9,7 @@ from tolerances import RELATIVE
 from tolerances import relative_error
 
 import kmp
-from kmp import planning
+from kmp.planning import decisions as planning
 
 MIXED = ["mixed_float16", "mixed_bfloat16"]
 COMPUTE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
@@ -287,13 +287,14 @@ def test_class_rules_match_user_classes_and_their_subclasses():
 @pytest.mark.parametrize("gpu", [False, True])
 def test_float16_convolutions_go_float32_only_on_cpu_only_machines(gpu, monkeypatch):
     from kmp import hardware
+    from kmp.backend import machine as probe
 
     machine = hardware.Capabilities(
         cpu=hardware.CPUInfo("cpu", 2, frozenset({"avx512_fp16"})),
         gpus=(hardware.GPUInfo("A100", (8, 0)),) if gpu else (),
         tpus=0,
     )
-    monkeypatch.setattr(hardware, "capabilities", lambda: machine)
+    monkeypatch.setattr(probe, "capabilities", lambda: machine)
     for policy, expected in (
         ("mixed_float16", "float16" if gpu else "float32"),
         ("mixed_bfloat16", "bfloat16"),
@@ -562,7 +563,7 @@ def test_a_container_whose_output_would_change_keeps_casting_token_ids():
     assert layer.compute_dtype == "bfloat16"
     assert (
         "would change what it returns"
-        in kmp.planning.plan(model).decision(layer.name).note
+        in kmp.planning.decisions.plan(model).decision(layer.name).note
     )
 
 
@@ -587,12 +588,16 @@ def test_prepare_rejects_non_models():
 def test_plan_says_when_a_model_computes_in_float16():
     kmp.set_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    assert not kmp.planning.plan(model).computes_in_float16  # its only layer: output
+    assert not kmp.planning.decisions.plan(
+        model
+    ).computes_in_float16  # its only layer: output
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)]
     )
-    assert kmp.planning.plan(model).computes_in_float16
-    assert not kmp.planning.plan(model, policy="mixed_bfloat16").computes_in_float16
+    assert kmp.planning.decisions.plan(model).computes_in_float16
+    assert not kmp.planning.decisions.plan(
+        model, policy="mixed_bfloat16"
+    ).computes_in_float16
 
 
 @pytest.mark.slow
@@ -642,7 +647,7 @@ def test_a_softmax_feeding_an_op_that_does_not_promote_is_left_alone():
     out = keras.layers.Dense(2)(keras.ops.slice_update(h, [0, 0], p))
     model = kmp.prepare(keras.Model(inputs, out))
     assert model.get_layer("p").compute_dtype == "bfloat16"
-    note = kmp.planning.plan(model).decision("p").note
+    note = kmp.planning.decisions.plan(model).decision("p").note
     assert "keras.ops SliceUpdate" in note
     model(np.ones((2, 4)))
 
@@ -678,7 +683,9 @@ def test_token_ids_rule_planned_for_another_policy_traces_under_that_policy():
     ids = keras.Input((3,))
     layer = Mixed()
     model = keras.Model(ids, keras.layers.Dense(2)(layer(ids)))  # float32 model
-    decision = kmp.planning.plan(model, policy="mixed_bfloat16").decision(layer.name)
+    decision = kmp.planning.decisions.plan(model, policy="mixed_bfloat16").decision(
+        layer.name
+    )
     assert decision.rule != planning.TOKEN_IDS
 
 
@@ -743,7 +750,7 @@ def test_returned_attention_scores_keep_their_dtype_in_user_code_under_float16(
     assert block.att.query_dense.compute_dtype == "float32"
     assert block.att._softmax.compute_dtype == "float16"
     softmax = f"block/{block.att.name}/{block.att._softmax.name}"
-    decision = kmp.planning.plan(model).decision(softmax)
+    decision = kmp.planning.decisions.plan(model).decision(softmax)
     assert decision.rule == planning.SCORES_KEPT
     assert f"kmp.set_layer_policy('name:{softmax}', 'float32')" in decision.note
     assert np.isfinite(model.predict(np.ones((2, 5, 8)), verbose=0)).all()
@@ -791,7 +798,9 @@ def test_attention_in_user_code_gets_a_float32_softmax_when_its_scores_stay_insi
     kmp.rules.set_attention_scores(mode)
     model, block = model_under(policy)
     model.set_weights(reference.get_weights())
-    kmp.planning.plan(model)  # traces the model under the plan, then restores it
+    kmp.planning.decisions.plan(
+        model
+    )  # traces the model under the plan, then restores it
     assert block.att._softmax.compute_dtype == compute
     kmp.prepare(model)
     y = np.asarray(model(x, training=False))
@@ -800,7 +809,7 @@ def test_attention_in_user_code_gets_a_float32_softmax_when_its_scores_stay_insi
     assert np.isfinite(np.asarray(model(x, training=True))).all()
     # The float32 scores reach a float32 softmax: nothing rounds them.
     softmax = block.att._softmax
-    decision = kmp.planning.plan(model).decision(
+    decision = kmp.planning.decisions.plan(model).decision(
         f"block/{block.att.name}/{softmax.name}"
     )
     assert decision.rule == planning.ATTENTION_SCORES

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import kmp
 from kmp import hardware
-from kmp import policy as policy_lib
+from kmp.precision import policy as policy_lib
 
 BUILTIN = {
     "float32": ("float32", "float32", False),

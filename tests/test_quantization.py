@@ -130,7 +130,7 @@ def test_int8_layers_are_kept_out_of_float16_with_the_reason_and_the_fix():
     kmp.set_policy("float32")
     model = dense_model()
     quietly_quantize(model, "int8")
-    the_plan = kmp.planning.plan(model, policy="mixed_float16")
+    the_plan = kmp.planning.decisions.plan(model, policy="mixed_float16")
     dense = the_plan.decision("dense")
     assert dense.policy.compute_dtype == "float32"
     assert dense.rule == "int8: kept in float32"
@@ -148,7 +148,9 @@ def test_int4_layers_under_float16_need_no_such_exception():
     kmp.set_policy("float32")
     model = dense_model()
     quietly_quantize(model, "int4")
-    decision = kmp.planning.plan(model, policy="mixed_float16").decision("dense")
+    decision = kmp.planning.decisions.plan(model, policy="mixed_float16").decision(
+        "dense"
+    )
     assert decision.policy.compute_dtype == "float16"
 
 

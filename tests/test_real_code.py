@@ -158,11 +158,13 @@ def test_residual_blocks_with_raw_add_train_under_kmp_compile(block, policy):
     # query/key projections of Keras's attention are consumed by Keras's own
     # attention code, not by the user's).
     report = kmp.precision_report(model)
-    plan = kmp.planning.plan(model)
+    plan = kmp.planning.decisions.plan(model)
     checked = 0
     for row in report:
         site = plan.decision(row.path).site
-        if site.user_code is None or kmp.planning.is_keras_attention(site.parent):
+        if site.user_code is None or kmp.planning.decisions.is_keras_attention(
+            site.parent
+        ):
             continue
         if isinstance(site.layer, (layers.Dropout,)):
             continue  # not called in inference: nothing traced

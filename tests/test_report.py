@@ -5,7 +5,8 @@ import pytest
 
 import kmp
 from kmp import hardware
-from kmp import planning
+from kmp.backend import machine
+from kmp.planning import decisions as planning
 
 
 def small_cnn():
@@ -102,7 +103,7 @@ def mlp():
 
 
 def test_the_report_states_the_process_wide_remapper_setting_on_a_cpu(monkeypatch):
-    monkeypatch.setattr(hardware, "capabilities", lambda: CPU_ONLY)
+    monkeypatch.setattr(machine, "capabilities", lambda: CPU_ONLY)
     kmp.set_policy("mixed_float16")
     half = kmp.compile(mlp(), optimizer="sgd", loss="mse")
     note = kmp.precision_report(half).remapper
@@ -127,13 +128,13 @@ def test_the_report_states_the_process_wide_remapper_setting_on_a_cpu(monkeypatc
 
 
 def test_the_report_is_silent_on_the_remapper_where_it_does_not_apply(monkeypatch):
-    monkeypatch.setattr(hardware, "capabilities", lambda: CPU_ONLY)
+    monkeypatch.setattr(machine, "capabilities", lambda: CPU_ONLY)
     for policy in ("float32", "mixed_bfloat16"):  # kmp leaves it on
         kmp.set_policy(policy)
         report = kmp.precision_report(kmp.compile(mlp(), optimizer="sgd", loss="mse"))
         assert report.remapper == "" and "remapping" not in str(report), policy
     # With a GPU, kmp never switches it: float16 says nothing either.
-    monkeypatch.setattr(hardware, "capabilities", lambda: WITH_GPU)
+    monkeypatch.setattr(machine, "capabilities", lambda: WITH_GPU)
     kmp.set_policy("mixed_float16")
     report = kmp.precision_report(kmp.compile(mlp(), optimizer="sgd", loss="mse"))
     assert report.remapper == "" and "remapping" not in str(report)

@@ -10,8 +10,9 @@ from tolerances import RELATIVE
 from tolerances import relative_error
 
 import kmp
-from kmp import kinds
-from kmp import rules
+from kmp.precision import attention
+from kmp.precision import kinds
+from kmp.precision import rules
 
 
 @pytest.mark.parametrize(
@@ -143,13 +144,13 @@ def test_the_module_docstring_states_the_resolution_order():
 
 def test_attention_scores_modes_are_validated():
     with pytest.raises(ValueError, match="'auto', 'float32', 'compute'"):
-        rules.set_attention_scores("fast")
-    assert rules.attention_scores("float16") == "float32"
-    assert rules.attention_scores("bfloat16") == "compute"
-    rules.set_attention_scores("float32")
-    assert rules.attention_scores("bfloat16") == "float32"
-    rules.set_attention_scores("compute")
-    assert rules.attention_scores("float16") == "compute"
+        attention.set_attention_scores("fast")
+    assert attention.attention_scores("float16") == "float32"
+    assert attention.attention_scores("bfloat16") == "compute"
+    attention.set_attention_scores("float32")
+    assert attention.attention_scores("bfloat16") == "float32"
+    attention.set_attention_scores("compute")
+    assert attention.attention_scores("float16") == "compute"
 
 
 # --- attention numerics ---------------------------------------------------------
@@ -231,8 +232,9 @@ def test_float32_scores_under_bfloat16_shrink_the_error_to_bfloat16_rounding(pat
 
     reference = _float32_mha(ctor["dropout"], x)
     plain = _mha_like(reference, "mixed_bfloat16", x)
-    assert relative_error(run(plain), run(reference)) > 0.1
-    rules.set_attention_scores("float32")
+    # Keras's bfloat16 attention at this scale: 9-10% off float32, by CPU kind.
+    assert relative_error(run(plain), run(reference)) > 0.05
+    attention.set_attention_scores("float32")
     layer = _mha_like(reference, "mixed_bfloat16", x)
     fixed = run(_prepared(layer, (16, 64)))
     assert relative_error(fixed, run(reference)) < RELATIVE["bfloat16"]
@@ -250,7 +252,7 @@ def test_under_bfloat16_the_default_leaves_keras_attention_exactly_as_it_is():
 
 
 def test_compute_mode_leaves_float16_attention_as_keras_has_it():
-    rules.set_attention_scores("compute")
+    attention.set_attention_scores("compute")
     x = np.ones((1, 4, 8), "float32")
     layer = _prepared(_mha_like(_float32_mha(0.0, x), "mixed_float16", x), (4, 8))
     assert layer.query_dense.compute_dtype == "float16"

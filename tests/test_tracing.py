@@ -4,7 +4,7 @@ import keras
 import numpy as np
 
 import kmp
-from kmp import tracing
+from kmp.backend import tracing
 
 
 class Attention16(keras.layers.Layer):

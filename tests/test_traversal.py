@@ -2,7 +2,7 @@
 
 import keras
 
-from kmp import traversal
+from kmp.precision import traversal
 
 
 class Residual(keras.layers.Layer):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import mixed_precision
+from kmp.training import tf_keras as mixed_precision
 
 SCALE = 1024.0
 LR = 0.5

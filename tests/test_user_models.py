@@ -314,8 +314,10 @@ def test_compiling_a_distiller_keeps_the_teachers_float32_output(policy):
     # fit has built the distiller.
     assert student.layers[-1].compute_dtype == "float32"
     assert np.isfinite(history.history["loss"][-1])
-    rule = kmp.planning.plan(distiller).decision("teacher/" + teacher.layers[-1].name)
-    assert rule.rule == kmp.planning.INNER_OUTPUT
+    rule = kmp.planning.decisions.plan(distiller).decision(
+        "teacher/" + teacher.layers[-1].name
+    )
+    assert rule.rule == kmp.planning.decisions.INNER_OUTPUT
 
 
 # --- a model output that the model's own call also mixes with 16-bit tensors -------
@@ -341,7 +343,7 @@ def test_an_output_that_the_models_own_call_mixes_keeps_its_dtype():
     model(np.ones((2, 4)))
     kmp.prepare(model)
     head = "head/" + model.head.layers[0].name
-    decision = kmp.planning.plan(model).decision(head)
+    decision = kmp.planning.decisions.plan(model).decision(head)
     assert decision.policy.compute_dtype == "bfloat16"
     assert "AuxiliaryLoss.call fails" in decision.note
     assert model(np.ones((2, 4))).dtype == "bfloat16"  # still runs
@@ -614,7 +616,9 @@ def test_a_train_step_that_mixes_a_float32_output_gets_the_16bit_one_back(built)
         return
     assert np.isfinite(history["loss"][0])
     assert model.encoder.layers[-1].compute_dtype == "bfloat16"  # as Keras
-    note = kmp.planning.plan(model).decision("encoder/" + model.encoder.layers[-1].name)
+    note = kmp.planning.decisions.plan(model).decision(
+        "encoder/" + model.encoder.layers[-1].name
+    )
     assert "training code failed" in note.note and note.policy.name == "mixed_bfloat16"
 
 

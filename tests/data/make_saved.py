@@ -3,7 +3,7 @@ under mixed_float16 and trained 4 steps, one skipped (scale 1024 -> 512).
 
 The file is checked in so that a change that breaks loading the files this
 version writes fails tests/test_optimizer.py. Run it again only when the
-saved layout changes on purpose (and bump kmp.saved_state.SAVE_FORMAT):
+saved layout changes on purpose (and bump kmp.scaling.saved_state.SAVE_FORMAT):
 
     .venv/bin/python tests/data/make_saved.py
 """

@@ -1,0 +1,99 @@
+"""kmp under tf.distribute: one decision for all replicas.
+
+kmp builds no distribution of its own: under any `tf.distribute` strategy the
+optimizer agrees on one finite/non-finite decision per step (`agree`, an
+all-reduce of the per-gradient flags), applies the step and moves its single
+mirrored state once (`step_if_finite`); `kmp.distribute.verify_replicas`
+(`kmp.diagnostics.replicas`) checks that, on demand. This is the TensorFlow
+edge of kmp's loss scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+
+def agree(flags: Any):
+    """ANDs boolean flags across the replicas of a tf.distribute strategy (an
+    all-reduce SUM of the non-finite counts), so that every replica makes the
+    same decision. Outside a multi-replica context it returns them unchanged.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return flags
+    bad = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(flags), tf.float32)
+    )
+    return tf.equal(bad, 0.0)
+
+
+def in_multi_replica_context() -> bool:
+    """Whether code runs inside `strategy.run` with more than one replica."""
+    context = tf.distribute.get_replica_context()
+    return (
+        tf.distribute.has_strategy()
+        and context is not None
+        and context.num_replicas_in_sync > 1
+    )
+
+
+def step_if_finite(
+    finite: Any,
+    apply: Callable,
+    grads: list,
+    variables: list,
+    after: Callable[[Any], None],
+    on_skip: Callable[[Any], None] | None = None,
+    record: Any = None,
+):
+    """Calls `apply(grads, variables)` only if `finite` (agreed on by every
+    replica), else `on_skip(record)` (the overflow record: written only on
+    skipped steps); then `after(finite)` (the state update); returns
+    `finite`.
+
+    Under a strategy that needs merge calls (Mirrored), the inner optimizer's
+    apply, which all-reduces the gradients, cannot sit inside a condition in
+    replica context; as Keras's own wrapper does, the condition and the state
+    update then run once, in cross-replica context, and each replica applies
+    inside it.
+    """
+    context = tf.distribute.get_replica_context()
+    needs_merge = (
+        context is not None
+        and tf.distribute.has_strategy()
+        and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+    )
+
+    def skip(record):
+        if on_skip is not None:
+            on_skip(record)
+        return tf.constant(False)
+
+    if not needs_merge:
+
+        def apply_now():
+            apply(grads, variables)
+            return tf.constant(True)
+
+        tf.cond(finite, apply_now, lambda: skip(record))
+        after(finite)
+        return finite
+
+    def cross_replica(distribution, grads, variables, finite, record):
+        # Every replica agreed on `finite`: take the first replica's.
+        finite = distribution.experimental_local_results(finite)[0]
+        if record is not None:
+            record = distribution.experimental_local_results(record)[0]
+
+        def apply_now():
+            distribution.extended.call_for_each_replica(apply, args=(grads, variables))
+            return tf.constant(True)
+
+        tf.cond(finite, apply_now, lambda: skip(record))
+        after(finite)
+        return finite
+
+    return context.merge_call(cross_replica, args=(grads, variables, finite, record))

@@ -1,0 +1,42 @@
+"""Reading the graph being traced: whether it assigns a variable (Keras's
+own loss-scale wrapper updates its scale in every train step, never in
+evaluation), through TensorFlow's public graph API."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# Ops that hand a variable's handle to code that may assign it: the assign
+# itself, and the control-flow and function-call ops whose bodies (branches,
+# loops, nested tf.functions) receive the handle as an input.
+_ASSIGNING = frozenset(
+    {
+        "AssignVariableOp",
+        "AssignAddVariableOp",
+        "AssignSubVariableOp",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+        "While",
+        "StatelessWhile",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+    }
+)
+
+
+def assigned_here(variable) -> bool:
+    """Whether the graph being built assigns `variable`, or hands it to a
+    branch, loop or nested function that may. Eagerly, with no graph to
+    read, True."""
+    if tf.executing_eagerly():
+        return True
+    graph = tf.compat.v1.get_default_graph()
+    handle = getattr(getattr(variable, "value", None), "handle", None)
+    if handle is None:
+        handle = getattr(variable, "handle", None)
+    return any(
+        op.type in _ASSIGNING and any(t is handle for t in op.inputs)
+        for op in graph.get_operations()
+    )

@@ -1,0 +1,149 @@
+"""The machine probe: the CPU, GPUs (with compute capability) and TPUs this
+process sees, read once, and the policy `'auto'` picks for them.
+
+Probing only: functions here return data and never print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+from kmp.precision.auto import AutoChoice
+from kmp.precision.auto import choose_policy
+
+logger = logging.getLogger("kmp")
+
+# CPU flags (as Linux names them in /proc/cpuinfo) that matter for 16-bit math.
+CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+_CPUINFO = "/proc/cpuinfo"
+
+
+def read_cpu_flags(path: str = _CPUINFO) -> frozenset[str]:
+    """Returns the CPU feature flags the OS reports (empty if unreadable)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError as e:
+        logger.debug("cannot read CPU flags from %s: %s", path, e)
+    return frozenset()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The 16-bit-relevant CPU flags of this machine, read once."""
+    return read_cpu_flags() & frozenset(CPU_FLAGS_OF_INTEREST)
+
+
+def _gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
+    import tensorflow as tf
+
+    found = []
+    for device in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(device)
+        cc = details.get("compute_capability")
+        if cc is not None:
+            found.append((details.get("device_name", device.name), tuple(cc)))
+    return found
+
+
+def _tpu_count() -> int:
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("TPU"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUInfo:
+    """A visible GPU and the 16-bit math its Tensor Cores support."""
+
+    name: str
+    compute_capability: tuple[int, int]
+
+    @property
+    def float16_tensor_cores(self) -> bool:
+        return self.compute_capability >= (7, 0)
+
+    @property
+    def bfloat16_tensor_cores(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def tf32(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUInfo:
+    """The CPU, and its 16-bit-relevant features as the OS reports them."""
+
+    model: str
+    cores: int
+    flags: frozenset[str]
+
+    @property
+    def native_bfloat16(self) -> bool:
+        return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+
+    @property
+    def native_float16(self) -> bool:
+        return bool(self.flags & {"avx512_fp16", "amx_fp16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Every visible device: the CPU, GPUs (with compute capability), TPUs."""
+
+    cpu: CPUInfo
+    gpus: tuple[GPUInfo, ...]
+    tpus: int
+
+
+def _cpu_model(path: str = _CPUINFO) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """Describes the devices of this machine (read once; frozen).
+
+    Example:
+
+    >>> caps = kmp.hardware.capabilities()
+    >>> caps.cpu.cores >= 1
+    True
+    """
+    return Capabilities(
+        cpu=CPUInfo(_cpu_model(), os.cpu_count() or 1, cpu_flags()),
+        gpus=tuple(GPUInfo(n, cc) for n, cc in _gpu_compute_capabilities()),
+        tpus=_tpu_count(),
+    )
+
+
+def resolve_auto() -> AutoChoice:
+    """Returns the policy `'auto'` picks on this machine and the reason.
+
+    `KMP_POLICY` in the environment overrides the hardware rule.
+    """
+    override = os.environ.get("KMP_POLICY")
+    if override and override != "auto":
+        return AutoChoice(override, "Set by the KMP_POLICY environment variable.")
+    caps = capabilities()
+    return choose_policy(
+        [(g.name, g.compute_capability) for g in caps.gpus], caps.cpu.flags, caps.tpus
+    )

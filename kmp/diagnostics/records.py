@@ -1,0 +1,208 @@
+"""The loss-scale monitor's records and where they go: `StepRecord`, and its
+writers (TensorBoard scalars, a CSV file, a PNG plot)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+
+import tensorflow as tf
+
+PLOT_SIZE_INCHES = (8.0, 5.0)
+PLOT_DPI = 100
+CSV_FIELDS = (
+    "step",
+    "epoch",
+    "loss",
+    "loss_scale",
+    "skipped",
+    "skipped_steps_total",
+    "overflow_layers",
+)
+
+
+def _check_writable_dir(path: str, what: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{what}={path!r} cannot be created: {e.strerror}. Expected a "
+            "writable directory; pass another path."
+        ) from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{what}={path!r} is not writable. Expected a writable directory; "
+            "pass another path or fix its permissions."
+        )
+
+
+def _check_writable_file(path: str, what: str) -> None:
+    _check_writable_dir(os.path.dirname(os.path.abspath(path)), f"the folder of {what}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{what}={path!r} exists and is not writable.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One row of the monitor's log.
+
+    `overflow_layers` names the layers whose gradients were non-finite at the
+    last skipped step of the interval; `forward` is True when the loss itself
+    was inf/NaN (a forward overflow: every gradient is then non-finite).
+    """
+
+    step: int
+    epoch: int
+    loss: float
+    loss_scale: float | None
+    skipped: int
+    skipped_steps_total: int | None
+    overflow_layers: tuple[str, ...] = ()
+    forward: bool = False
+
+
+def _sources_text(r: StepRecord) -> str:
+    if r.forward:
+        return "forward overflow (loss non-finite): " + ";".join(r.overflow_layers)
+    return ";".join(r.overflow_layers)
+
+
+def plot_records(records: list[StepRecord], path: str) -> None:
+    """Writes a PNG of the loss and the loss scale over steps, skipped steps
+    marked, 800x500 pixels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=PLOT_SIZE_INCHES, dpi=PLOT_DPI)
+    FigureCanvasAgg(fig)
+    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True)
+    steps = [r.step for r in records]
+    skipped = [r for r in records if r.skipped]
+    loss_ax.plot(steps, [r.loss for r in records], color="tab:blue")
+    loss_ax.set_ylabel("loss (epoch mean so far)")
+    loss_ax.set_title("kmp: loss and loss scale")
+    scaled = [r for r in records if r.loss_scale is not None]
+    if scaled:
+        scale_ax.step(
+            [r.step for r in scaled],
+            [r.loss_scale for r in scaled],
+            where="post",
+            color="tab:green",
+        )
+        scale_ax.set_yscale("log", base=2)
+    else:
+        scale_ax.text(
+            0.5,
+            0.5,
+            "no loss scale (no kmp loss scaling)",
+            ha="center",
+            va="center",
+            transform=scale_ax.transAxes,
+        )
+    if skipped:
+        scale_ax.scatter(
+            [r.step for r in skipped],
+            [r.loss_scale for r in skipped],
+            marker="x",
+            color="tab:red",
+            label="skipped steps",
+            zorder=3,
+        )
+        scale_ax.legend(loc="best")
+    scale_ax.set_ylabel("loss scale")
+    scale_ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+
+
+def check_paths(
+    log_dir: str | None, csv_path: str | None, plot_path: str | None
+) -> None:
+    """Raises `ValueError` for a destination that cannot be written, and
+    `ImportError` for a plot without matplotlib (before training starts)."""
+    if log_dir is not None:
+        _check_writable_dir(log_dir, "log_dir")
+    if csv_path is not None:
+        _check_writable_file(csv_path, "csv_path")
+    if plot_path is not None:
+        _check_writable_file(plot_path, "plot_path")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "plot_path needs matplotlib: pip install 'kmp[plot]'."
+            ) from e
+
+
+class RecordWriter:
+    """Writes `StepRecord`s to TensorBoard (`log_dir`, scalars under `kmp/`)
+    and a CSV file (`csv_path`, appended to; the header once), either or
+    both (None: not written)."""
+
+    def __init__(self, log_dir: str | None, csv_path: str | None):
+        self._writer = None
+        self._csv_file = None
+        self._csv = None
+        if log_dir is not None:
+            self._writer = tf.summary.create_file_writer(log_dir)
+        if csv_path is not None:
+            new = not os.path.exists(csv_path) or not os.path.getsize(csv_path)
+            self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+            self._csv = csv.writer(self._csv_file)
+            if new:
+                self._csv.writerow(CSV_FIELDS)
+
+    def write(self, r: StepRecord) -> None:
+        """Writes one record to every destination (flushed at once: nothing
+        is lost if training raises)."""
+        if self._writer is not None:
+            values = [("kmp/loss", r.loss)]
+            if r.loss_scale is not None:
+                values.append(("kmp/loss_scale", r.loss_scale))
+            if r.skipped_steps_total is not None:
+                values += [
+                    ("kmp/skipped_steps", float(r.skipped)),
+                    ("kmp/skipped_steps_total", float(r.skipped_steps_total)),
+                ]
+            # One raw Summary per step (TensorBoard reads `simple_value`
+            # scalars): one op per record instead of one per scalar.
+            summary = tf.compat.v1.Summary(
+                value=[
+                    tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
+                    for tag, value in values
+                ]
+            )
+            with self._writer.as_default():
+                tf.summary.experimental.write_raw_pb(
+                    summary.SerializeToString(), step=r.step
+                )
+                if r.overflow_layers:
+                    tf.summary.text(
+                        "kmp/overflow_layers", _sources_text(r), step=r.step
+                    )
+        if self._csv is not None:
+            self._csv.writerow(
+                [
+                    r.step,
+                    r.epoch,
+                    r.loss,
+                    "" if r.loss_scale is None else r.loss_scale,
+                    r.skipped,
+                    "" if r.skipped_steps_total is None else r.skipped_steps_total,
+                    _sources_text(r) if r.overflow_layers else "",
+                ]
+            )
+            self._csv_file.flush()
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = self._csv = None

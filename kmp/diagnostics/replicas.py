@@ -1,0 +1,66 @@
+"""A check that the replicas of a `tf.distribute` strategy agree on the loss
+scale: `kmp.distribute.verify_replicas`, on demand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmp.scaling import loss_scale as ls
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Replicas hold different loss-scale states."""
+
+
+def verify_replicas(optimizer: Any) -> int:
+    """Checks that every replica holds the same loss scale, counters and last
+    decision; raises `ReplicaDivergenceError` naming what differs.
+
+    Args:
+        optimizer: A `kmp.LossScaleOptimizer`, used inside or outside a
+            strategy.
+
+    Returns:
+        The number of replica copies compared (1 outside a strategy).
+
+    Example:
+
+    >>> opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
+    >>> kmp.distribute.verify_replicas(opt)
+    1
+    """
+    if not isinstance(getattr(optimizer, "loss_scale_object", None), ls.LossScale):
+        raise TypeError(
+            "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
+            f"{optimizer!r} (of type {type(optimizer).__name__})."
+        )
+    state = optimizer.loss_scale_object.state
+    copies = 1
+    differing = []
+    for field, name in ls.PUBLIC_NAMES.items():
+        variable = getattr(state, field)
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        # A distributed variable's value names its strategy (public property of
+        # tf.distribute's values); a plain one is in the default strategy.
+        strategy = getattr(value, "distribute_strategy", None) or (
+            tf.distribute.get_strategy()
+        )
+        local = [
+            keras.ops.convert_to_numpy(v).item()
+            for v in strategy.experimental_local_results(value)
+        ]
+        copies = max(copies, len(local))
+        if len(set(local)) > 1:
+            differing.append(f"{name}: {local}")
+    if differing:
+        raise ReplicaDivergenceError(
+            "Replicas disagree on the loss-scale state: "
+            + "; ".join(differing)
+            + ". Every replica must make the same skip decision. This is a bug "
+            "in kmp or a variable created outside strategy.scope(): create the "
+            "optimizer (and compile the model) inside the scope."
+        )
+    return copies

@@ -1,0 +1,346 @@
+"""`kmp.precision_report`: per layer, what it computes in, what it returns,
+what computes in float32 inside it, and the rule that decided it."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Iterator
+
+import keras
+
+from kmp._base.table import format_table
+from kmp.backend import grappler
+from kmp.backend import tracing
+from kmp.diagnostics import compiled_by
+from kmp.diagnostics import doctor
+from kmp.planning import applied as applied_lib
+from kmp.planning import decisions as planning
+from kmp.precision import policy as policy_lib
+from kmp.precision import quantization
+from kmp.precision import traversal
+from kmp.training import compile as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """One row of a precision report.
+
+    Attributes:
+        path: The layer's path in the model.
+        class_name: Its class.
+        compute_dtype: The dtype its call computes in (its policy's: what
+            Keras casts its inputs and variables to); `''` for a layer that
+            is not a float layer.
+        variable_dtype: The dtype of its variables.
+        rule: What decided its policy.
+        returns: The dtype(s) it returns, as traced (`''` when not traced).
+        inside: What computes in float32 inside it, as the defaults know it
+            (`'float32 inside (Keras)'`) or as traced
+            (`'float32 inside: Mean, Rsqrt'`); `''` when nothing does.
+        kind: Its kind (`'normalization'`, `'attention'`, ...), if known.
+        note: Why a default did not apply to it, if one did not.
+        quantization: Its quantization mode (`'int8'`, `'int4'`, `'float8'`,
+            ...), `''` when not quantized; `compute_dtype` is then the float
+            policy it computes in around its quantized weights.
+        lora_rank: Its LoRA rank (`layer.enable_lora`), 0 without LoRA.
+        trains: Which of its own weights train (`'yes'`, `'no'`,
+            `'adapters'`: only its LoRA weights, `'partly'`); `''` for a
+            layer with no float weights of its own.
+    """
+
+    path: str
+    class_name: str
+    compute_dtype: str
+    variable_dtype: str
+    rule: str
+    returns: str = ""
+    inside: str = ""
+    kind: str = ""
+    note: str = ""
+    quantization: str = ""
+    lora_rank: int = 0
+    trains: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """The precision of every layer of a model.
+
+    `str(report)` is a table; `report.rows` is the data.
+
+    Attributes:
+        model_name: The model's name.
+        policy: The model's policy.
+        rows: One `LayerPrecision` per layer.
+        outputs: The dtypes of the model's outputs, as traced.
+        not_traced: Why the model was not traced, or `''` when it was.
+        loss_scaling: How the model's optimizers scale the loss, and why
+            (`kmp.compile` decides it from the model's own layers).
+        remapper: Where it matters to this model (a machine without GPUs,
+            and float16 in the model or kmp's float16 setting in force):
+            grappler's remapping setting now, which is process-wide, and how
+            to keep it right for this model (`remapper_note`); `''`
+            elsewhere.
+        policy_lost: Where the policy `kmp.set_policy` set is no longer in
+            force and the model computes in another, that sentence with the
+            fix (`kmp.precision.policy.lost_policy`); `''` elsewhere.
+    """
+
+    model_name: str
+    policy: str
+    rows: tuple[LayerPrecision, ...]
+    outputs: tuple[str, ...] = ()
+    not_traced: str = ""
+    loss_scaling: str = ""
+    remapper: str = ""
+    policy_lost: str = ""
+
+    def __iter__(self) -> Iterator[LayerPrecision]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, path: str) -> LayerPrecision:
+        """Returns the row of the layer at `path` (its name at the top level)."""
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(
+            f"No layer at path {path!r} in the report of {self.model_name!r}. "
+            f"Paths: {', '.join(r.path for r in self.rows)}."
+        )
+
+    def __str__(self) -> str:
+        header = ["layer", "class", "computes", "returns", "inside", "decided by"]
+        cells = [
+            [r.path, r.class_name, r.compute_dtype, r.returns, r.inside, r.rule]
+            for r in self.rows
+        ]
+        # Quantization, LoRA and frozen weights: shown where a model has them.
+        if any(
+            r.quantization or r.lora_rank or r.trains in ("no", "partly", "adapters")
+            for r in self.rows
+        ):
+            header[3:3] = ["quantized", "LoRA", "trains"]
+            for r, row in zip(self.rows, cells, strict=True):
+                row[3:3] = [r.quantization, str(r.lora_rank or ""), r.trains]
+        table = format_table(tuple(header), [tuple(row) for row in cells])
+        lines = [
+            f"Precision of {self.model_name!r} (model policy: {self.policy})",
+            table,
+        ]
+        if self.policy_lost:
+            lines.append(
+                textwrap.fill(self.policy_lost, width=88, break_on_hyphens=False)
+            )
+        if self.outputs:
+            lines.append(f"Outputs: {', '.join(self.outputs)}")
+        if self.loss_scaling:
+            lines.append(f"Loss scaling: {self.loss_scaling}")
+        if self.not_traced:
+            lines.append(f"Not traced: {self.not_traced}.")
+        if self.remapper:
+            lines.append(textwrap.fill(self.remapper, width=88, break_on_hyphens=False))
+        return "\n".join(lines)
+
+
+def remapper_note(
+    setting: grappler.RemapperSetting,
+    float16: bool | None = None,
+    policy: str = "",
+) -> str:
+    """In words: grappler's remapping setting now, that it is process-wide,
+    and how to keep it right, where that matters; `''` where it does not.
+
+    For a model (`float16`: whether it computes in float16; `policy`: its
+    policy's name) it matters on a machine where kmp switches the setting
+    (no GPUs): for a float16 model always, for another model while kmp has
+    it off. Without a model (`float16=None`, `kmp doctor`) it matters on
+    every such machine.
+
+    Example:
+
+    >>> setting = kmp.hardware.RemapperSetting(
+    ...     enabled=True, managed=True, set_by_kmp=False, decided_by="float32")
+    >>> print(kmp.diagnostics.report.remapper_note(setting, float16=True,
+    ...                                policy="mixed_float16"))
+    Grappler remapping: ON now, for every model in this process: ...
+    >>> kmp.diagnostics.report.remapper_note(setting, float16=False, policy="float32")
+    ''
+    """
+    if not setting.managed:
+        return ""
+    if float16 is None:
+        return doctor.machine_remapper_note(setting)
+    if not float16 and not setting.set_by_kmp:
+        return ""  # kmp leaves it alone for this model, and so did the others
+    wanted = policy if _computes_in_float16(policy) == float16 else ""
+    wanted = wanted or ("mixed_float16" if float16 else "float32")
+    fix = (
+        "Fix: train models of different policies in separate processes, or "
+        f"call kmp.set_policy({wanted!r}) (or kmp.compile this model again) "
+        "right before each fit of this model."
+    )
+    if float16 and not setting.enabled:
+        why = (
+            "kmp turns it off while float16 is in force on a machine without "
+            "GPUs: its fused float16 MatMul+BiasAdd CPU kernel is very slow"
+            if setting.set_by_kmp
+            else "set outside kmp, with tf.config.optimizer.set_experimental_options"
+        )
+        head = f"Grappler remapping: off now, for every model in this process ({why})."
+    elif float16:
+        by = f" (for {setting.decided_by})" if setting.decided_by else ""
+        head = (
+            "Grappler remapping: ON now, for every model in this process: the "
+            f"last kmp.set_policy or kmp.compile{by}, or "
+            "tf.config.optimizer.set_experimental_options, left it on, so this "
+            "float16 model's fit runs the fused float16 MatMul+BiasAdd CPU "
+            "kernel, measured ~50x slower than float32 on Intel CPUs."
+        )
+    else:
+        head = (
+            "Grappler remapping: off now, for every model in this process: kmp "
+            "turned it off for the float16 policy or model set up last, so this "
+            "model, which does not compute in float16, also trains without "
+            "grappler's fused kernels."
+        )
+    return f"{head} {grappler.REMAPPER_PROCESS_WIDE} {fix}"
+
+
+def _computes_in_float16(policy: str) -> bool:
+    try:
+        return policy_lib.get(policy).compute_dtype == "float16"
+    except (ValueError, TypeError):
+        return False
+
+
+def _variable_dtype(layer: keras.layers.Layer) -> str:
+    own = {v.dtype for v in layer.weights} if not traversal.children(layer) else set()
+    floats = {d for d in own if keras.backend.is_float_dtype(d)}
+    if len(floats) == 1:
+        return keras.backend.standardize_dtype(floats.pop())
+    return layer.variable_dtype or ""
+
+
+def _inside(decision, ops) -> str:
+    if decision.layer.compute_dtype not in policy_lib.SIXTEEN_BIT:
+        return ""
+    kind = decision.kind
+    if kind is not None and kind[0].inside:
+        return f"{kind[0].inside} ({kind[1]})"
+    if ops is not None and ops.float32_ops:
+        return (
+            "float32 inside: "
+            + ", ".join(ops.float32_ops[:4])
+            + (", ..." if len(ops.float32_ops) > 4 else "")
+        )
+    return ""
+
+
+def precision_report(
+    model: keras.layers.Layer, *, trace: bool = True
+) -> PrecisionReport:
+    """Reports, per layer, the dtype its call computes in, the dtype it
+    returns, whether something inside it computes in float32, and the rule
+    that decided its policy.
+
+    The report shows the model as it is: run `kmp.prepare` (or `kmp.compile`)
+    first to see kmp's rules applied. What a layer returns and computes
+    inside is read from one traced forward pass (`kmp.backend.tracing`; nothing runs)
+    for built models; pass `trace=False` to skip it.
+
+    Args:
+        model: A Keras model or layer.
+        trace: Trace the forward pass to fill `returns` and `inside`.
+
+    Returns:
+        A `PrecisionReport`: `print()` it for a table, or read `.rows`.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> model = kmp.prepare(keras.Sequential(
+    ...     [keras.Input((8,)), keras.layers.Dense(8, name="dense"),
+    ...      keras.layers.LayerNormalization(name="norm"),
+    ...      keras.layers.Dense(4, name="head")], name="tiny"))
+    >>> report = kmp.precision_report(model)
+    >>> print(report)  # doctest: +ELLIPSIS
+    Precision of 'tiny' (model policy: mixed_bfloat16)
+    layer  class  ...
+    >>> [(r.path, r.compute_dtype, r.returns) for r in report]
+    [('dense', 'bfloat16', 'bfloat16'), ('norm', 'bfloat16', 'bfloat16'),
+     ('head', 'float32', 'float32')]
+    >>> report.row("norm").inside, report.row("head").rule
+    ('float32 inside (Keras)', 'default: model output in float32')
+    >>> report.outputs
+    ('float32',)
+
+    See also: `kmp.prepare`, `kmp.debug.precision_audit`.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "precision_report() expects a Keras model or layer. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    compiled_by.note_compiled_without_kmp(model, "kmp.precision_report")
+    the_plan = planning.plan(model)
+    traced = tracing.trace(model) if trace else None
+    rows = []
+    for d in the_plan:
+        layer = d.layer
+        record = applied_lib.applied(layer)
+        if record is not None:
+            rule = record.rule
+        elif d.explicit:
+            rule = planning.EXPLICIT
+        elif d.policy is None or (
+            d.policy.keras_name == quantization.float_part(layer)
+            and d.rule
+            in (
+                planning.POLICY,
+                planning.INHERITED,
+            )
+        ):
+            rule = d.rule
+        else:
+            rule = f"{planning.POLICY} (kmp.prepare not applied)"
+        ops = traced.of(d.path) if traced is not None else None
+        float_layer = planning.is_float_layer(layer)
+        rows.append(
+            LayerPrecision(
+                d.path,
+                type(layer).__name__,
+                layer.compute_dtype if float_layer else "",
+                _variable_dtype(layer) if float_layer else "",
+                rule,
+                returns=", ".join(ops.returns) if ops is not None else "",
+                inside=_inside(d, ops) if float_layer else "",
+                kind=d.kind[0].name if d.kind else "",
+                note=d.note,
+                quantization=quantization.mode(layer) or "",
+                lora_rank=quantization.lora_rank(layer),
+                trains=quantization.trains(layer),
+            )
+        )
+    return PrecisionReport(
+        model.name,
+        the_plan.base.name,
+        tuple(rows),
+        outputs=traced.outputs if traced is not None else (),
+        not_traced=(traced.error or "") if traced is not None else "",
+        loss_scaling=(
+            model_lib.describe_loss_scaling(model)
+            if isinstance(model, keras.Model) and model.compiled
+            else ""
+        ),
+        remapper=remapper_note(
+            grappler.remapper_setting(),
+            the_plan.computes_in_float16,
+            the_plan.base.name,
+        ),
+        policy_lost=policy_lib.lost_policy(the_plan.base.keras_name),
+    )

@@ -1,0 +1,50 @@
+"""What kmp has applied to a model's layers: the policy it set on each layer and
+why (so that a later `prepare` can tell kmp's settings from a user's explicit
+`dtype=`), the policy each model computed in when kmp first prepared it, and
+the float32 outputs a model's training code refused. Weak: forgets deleted
+layers and models."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import keras
+
+from kmp.precision import policy as policy_lib
+from kmp.precision import quantization
+
+
+# What kmp set on each layer, so that a later `prepare` can tell kmp's
+# settings from a user's explicit `dtype=`. Weak: forgets deleted layers.
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    keras_name: str
+    rule: str
+
+
+applied_to: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# Per model: the layers whose float32 outputs its training code refused
+# (its first step failed on mixed dtypes with them), {id(layer): why}.
+refused_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def applied(layer: keras.layers.Layer) -> Applied | None:
+    """What kmp last set on `layer` and why, if its policy is still that."""
+    record = applied_to.get(layer)
+    if record is not None and record.keras_name == quantization.float_part(layer):
+        return record
+    return None
+
+
+def base_policy(model: keras.layers.Layer) -> policy_lib.Policy:
+    """The policy `model` computes in, as `prepare` first saw it."""
+    recorded = model_bases.get(model)
+    if recorded is not None:
+        return recorded
+    return policy_lib.get(quantization.float_policy(model))

@@ -1,0 +1,158 @@
+"""`kmp.prepare`: a model's precision plan applied through Keras's public
+`layer.dtype_policy` setter, and completed once the model is built."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+
+from kmp._base import warn as _warn
+from kmp.backend import tracing
+from kmp.planning.applied import Applied
+from kmp.planning.applied import applied_to
+from kmp.planning.applied import base_policy
+from kmp.planning.applied import model_bases
+from kmp.planning.applied import refused_outputs
+from kmp.planning.decisions import FLOAT32_OUTPUTS
+from kmp.planning.decisions import Plan
+from kmp.planning.decisions import plan
+from kmp.precision import names
+from kmp.precision import quantization
+from kmp.precision import regularization
+from kmp.precision import rules
+from kmp.precision import traversal
+
+logger = logging.getLogger("kmp")
+
+
+def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
+    """Applies kmp's precision rules to a Keras model, in place.
+
+    Works on Sequential, Functional, subclassed and nested models, built or
+    not, through Keras's public `layer.dtype_policy` setter. Idempotent: a
+    second call changes nothing. `kmp.compile` calls it for you. A layer
+    keeps the dtype it returns wherever user code consumes it (see
+    `kmp.rules`); the layers that produce the model's outputs compute in
+    float32.
+
+    An attention layer that is not built yet (its projections are created
+    at build time) is left as it is, with a warning: call `prepare` again
+    once the model is built.
+
+    Args:
+        model: A `keras.Model` (or any `keras.layers.Layer`).
+
+    Returns:
+        The same model, for chaining.
+
+    Raises:
+        TypeError: if `model` is not a Keras layer or model.
+        RuleConflictError: if two rules of the same rank disagree about a
+            layer; the model is then left unchanged.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> model = kmp.prepare(keras.Sequential([
+    ...     keras.Input((8,)),
+    ...     keras.layers.Dense(16),
+    ...     keras.layers.LayerNormalization(),
+    ...     keras.layers.Softmax(),
+    ...     keras.layers.Dense(4),
+    ... ]))
+    >>> [layer.compute_dtype for layer in model.layers]
+    ['float16', 'float16', 'float32', 'float32']
+
+    See also: `kmp.precision_report`, `kmp.set_layer_policy`, `kmp.compile`.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "prepare() expects a Keras model or layer. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    apply(plan(model))  # plan raises before anything is changed
+    return model
+
+
+def refuse_user_outputs(model: keras.layers.Layer, why: str) -> list[tuple[str, str]]:
+    """Gives back their policy to the float32 outputs kmp gave the code of
+    `model` (its call, its train_step), after that code failed on mixed
+    dtypes (`why`); later plans keep them so. Returns the (path, policy
+    name) of each layer given back."""
+    refused = refused_outputs.setdefault(model, {})
+    given = []
+    for d in plan(model):
+        if d.rule in FLOAT32_OUTPUTS and d.site.user_code is not None:
+            refused[id(d.layer)] = why
+            given.append(d.path)
+    if not given:
+        return []
+    new = plan(model)
+    apply(new)
+    return [(path, new.decision(path).policy.name) for path in given]
+
+
+def all_built(model: keras.layers.Layer) -> bool:
+    """Whether every layer of `model` is built."""
+    return all(s.layer.built for s in traversal.walk(model))
+
+
+def ready(model: keras.layers.Layer) -> bool:
+    """Whether every layer of `model` is built and kmp can trace it: its
+    plan can then read what its `call` does."""
+    return tracing.traceable(model) and all_built(model)
+
+
+def complete(model: keras.layers.Layer) -> int:
+    """`prepare` once more, for a model built since it was compiled (its
+    `call` can be traced now); returns how many layers' policies changed.
+    Functions Keras traced before with the old policies (`evaluate`,
+    `predict`) are traced again at their next use."""
+    changed = apply(plan(model))
+    if changed and isinstance(model, keras.Model):
+        model.test_function = None
+        model.predict_function = None
+    return changed
+
+
+def apply(the_plan: Plan) -> int:
+    """Applies a plan made by `plan(model)` to its model (`prepare` is
+    `apply(plan(model))`); returns how many layers' policies it changed."""
+    model = the_plan.model
+    model_bases.setdefault(model, base_policy(model))
+    changed = 0
+    for d in the_plan:
+        if d.explicit or d.policy is None:
+            continue
+        if quantization.float_part(d.layer) != d.policy.keras_name:
+            quantization.set_float_part(d.layer, d.policy.keras_name)
+            changed += 1
+        applied_to[d.layer] = Applied(d.policy.keras_name, d.rule)
+        if d.policy.is_16bit:
+            regularization.compute_in_float32(d.layer)
+    for rule in the_plan.unmatched:
+        _warn.warn(
+            names.unmatched_message(
+                rule,
+                _candidates(the_plan, rule),
+                f"of {model.name!r}",
+            )
+        )
+    if the_plan.unbuilt_attention:
+        _warn.warn(
+            "kmp.prepare: the attention layers "
+            f"{', '.join(the_plan.unbuilt_attention)} are not built yet, so "
+            "their scores rule is not applied (their projections are created "
+            "at build time). Build the model first (call it on a batch, or "
+            "start it from keras.Input) and call kmp.prepare again."
+        )
+    logger.debug("kmp.prepare(%s): %d layer policies changed", model.name, changed)
+    return changed
+
+
+def _candidates(the_plan: Plan, rule: rules.LayerRule) -> set[str]:
+    if rule.kind == "class":
+        return {type(d.layer).__name__ for d in the_plan}
+    return {d.layer.name for d in the_plan} | {d.path for d in the_plan}

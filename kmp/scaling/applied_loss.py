@@ -1,0 +1,97 @@
+"""The mean loss of the steps that were applied.
+
+Keras's `loss` in the progress bar and in `History` is the mean of every
+step's loss in the epoch. A step kmp skips (its gradients overflowed) often
+has an inf/NaN loss, and one such step makes that mean NaN for the rest of
+the epoch, although the step changed nothing. `kmp.LossScaleOptimizer`
+keeps the sum and count of the losses of the steps it applied (recorded in
+`scale_loss`, settled in `apply`), and kmp's telemetry shows their mean as
+`loss` where a skipped step made Keras's value inf/NaN; everywhere else
+`loss` is Keras's own value, untouched. With gradient accumulation, the
+losses counted are those of the micro-batches whose gradients were finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+
+class AppliedLoss:
+    """The losses of applied steps since the last `reset`.
+
+    Its variables are made by `build` (the optimizer's, at the end of its own
+    build, so that the variables before them keep their positions in a
+    `tf.train.Checkpoint`); until then `record` and `settle` do nothing. They
+    are control values: kmp's `.keras` state leaves them out.
+    """
+
+    def __init__(self):
+        self.built = False
+
+    def build(self, make_variable: Callable[[str, str, Any], Any]) -> None:
+        """Creates the variables: `make_variable(name, dtype, initial_value)`."""
+        self.step_loss = make_variable("step_loss", "float32", 0.0)
+        self.recorded = make_variable("step_loss_recorded", "bool", False)
+        self.total = make_variable("applied_loss_total", "float32", 0.0)
+        self.steps = make_variable("applied_loss_steps", "int64", 0)
+        self.built = True
+
+    def record(self, loss: Any) -> None:
+        """Keeps this step's loss (before scaling) until `settle`."""
+        if self.built:
+            self.step_loss.assign(tf.cast(tf.reduce_mean(loss), tf.float32))
+            self.recorded.assign(True)
+
+    def settle(self, taken: Any) -> None:
+        """Adds the recorded loss if the step's gradients were taken (with
+        gradient accumulation: if the micro-batch's were finite)."""
+        if not self.built:
+            return
+        take = tf.logical_and(tf.convert_to_tensor(taken), self.recorded)
+        self.total.assign_add(tf.where(take, self.step_loss, 0.0))
+        self.steps.assign_add(tf.cast(take, tf.int64))
+        self.recorded.assign(False)
+
+    def variables(self) -> list:
+        """Its variables (none before `build`)."""
+        if not self.built:
+            return []
+        return [self.step_loss, self.recorded, self.total, self.steps]
+
+    def reset(self) -> None:
+        if self.built:
+            self.total.assign(0.0)
+            self.steps.assign(0)
+
+    def mean(self):
+        """The mean loss of the applied steps (NaN with none)."""
+        return self.total / tf.cast(self.steps, tf.float32)
+
+
+def loss_in_logs(model: Any, metric: Any, opt: Any, skipped: Any):
+    """The `loss` kmp's telemetry `metric` logs for `model` trained by `opt`:
+    Keras's own, or where a skipped step made it inf/NaN the mean loss of the
+    applied steps; None where kmp leaves `loss` alone (several replicas, no
+    single loss tracker, nothing recorded yet)."""
+    if model is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        return None
+    trackers = [
+        m
+        for m in model.metrics
+        if m is not metric and m.name == "loss" and isinstance(m, keras.metrics.Mean)
+    ]
+    if len(trackers) != 1:
+        return None
+    applied = opt.applied_loss
+    if not applied.built:
+        return None
+    keras_loss = tf.cast(trackers[0].result(), tf.float32)
+    replace = tf.logical_and(
+        tf.logical_and(skipped > 0, applied.steps > 0),
+        tf.logical_not(tf.math.is_finite(keras_loss)),
+    )
+    return tf.where(replace, applied.mean(), keras_loss)

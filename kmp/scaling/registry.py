@@ -1,0 +1,28 @@
+"""Which optimizers kmp reports for each model: the ones `kmp.compile`
+wrapped (by argument name), else `model.optimizer`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import keras
+
+
+def optimizers_of(model: keras.Model) -> dict[str, Any]:
+    """The optimizers telemetry reports for `model`, by label: the ones
+    `kmp.compile` wrapped (by argument name), else `model.optimizer`."""
+    registered = _registered.get(model)
+    if registered:
+        return dict(registered)
+    opt = getattr(model, "optimizer", None)
+    return {"optimizer": opt} if opt is not None else {}
+
+
+# Optimizers kmp.compile wrapped, per model: {argument name: optimizer}.
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register(model: keras.Model, optimizers: dict[str, Any]) -> None:
+    """Records the optimizers `kmp.compile` wrapped for `model`."""
+    _registered[model] = dict(optimizers)

@@ -1,0 +1,169 @@
+"""Loss-scale telemetry in `fit` logs: the scale and skipped steps, per epoch,
+in `History` and the progress bar, with no device sync inside the step.
+
+The optimizer keeps the telemetry as variables; `LossScaleTelemetry` is a
+Keras metric whose `result()` only reads them. Keras calls `result()` inside
+the compiled train step, so the values travel with the loss, and resets the
+metric at each epoch start, which is when the epoch's skip count starts. In
+evaluation steps it reports nothing, so `model.evaluate` returns what it
+would without kmp.
+
+What it reads, per optimizer:
+
+* a `kmp.LossScaleOptimizer`: `loss_scale` (when it scales: not in mode
+  `'none'`), `skipped_steps` (this epoch) and `skipped_steps_total` (also in
+  mode `'none'`: kmp skips non-finite steps under every policy);
+* Keras's own `keras.optimizers.LossScaleOptimizer`: `loss_scale` (Keras
+  counts no skipped steps).
+
+Where a step skipped by a single `kmp.LossScaleOptimizer` had an inf/NaN
+loss, which makes Keras's mean over every step NaN for the rest of the
+epoch, `loss` is the mean loss of the steps it applied (`kmp.applied_loss`);
+`skipped_steps` beside it counts what was left out. Everywhere else, and on
+several replicas, `loss` is Keras's own.
+
+A model compiled with several optimizers (`kmp.compile(gan,
+d_optimizer=..., g_optimizer=...)`) logs each under its argument's name:
+`d_optimizer_loss_scale`, ...
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmp.backend import graph
+from kmp.scaling import applied_loss
+from kmp.scaling import optimizer as optimizer_lib
+from kmp.scaling import registry
+
+logger = logging.getLogger("kmp")
+
+LOG_KEYS = ("loss_scale", "skipped_steps", "skipped_steps_total")
+
+
+def loss_scale_of(optimizer: Any):
+    """The loss-scale variable of an optimizer that scales the loss (kmp's
+    `loss_scale`, or Keras's own wrapper's `dynamic_scale`), or None."""
+    if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
+        return optimizer.dynamic_scale if optimizer.mode != "none" else None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return getattr(optimizer, "dynamic_scale", None)  # created at build
+    return None
+
+
+class LossScaleTelemetry(keras.metrics.Metric):
+    """Reports the loss scale and skipped steps of a model's loss-scaling
+    optimizers (see the module docstring).
+
+    Attach it with `kmp.telemetry.attach(model)`; `kmp.compile` does that for
+    you. Under an optimizer that scales nothing and skips nothing it reports
+    nothing.
+    """
+
+    def __init__(self, model: keras.Model, name: str = "kmp_loss_scale"):
+        super().__init__(name=name)
+        self._model_ref = weakref.ref(model)
+        self._epoch_start = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", name="epoch_start"
+        )
+        self._epoch_starts: dict[str, Any] = {}
+        for label in registry.optimizers_of(model):
+            self.start_variable(label)  # created now, not inside a trace
+
+    def _optimizers(self) -> dict[str, Any]:
+        model = self._model_ref()
+        return registry.optimizers_of(model) if model is not None else {}
+
+    def update_state(self, *args, **kwargs):
+        """Nothing to accumulate: the optimizers hold the state."""
+
+    def start_variable(self, label: str):
+        """The variable holding `label`'s skip count at the epoch's start."""
+        if label == "optimizer":
+            return self._epoch_start
+        variable = self._epoch_starts.get(label)
+        if variable is None:
+            variable = self._epoch_starts[label] = self.add_variable(
+                shape=(), dtype="int64", initializer="zeros", name=f"{label}_start"
+            )
+        return variable
+
+    def reset_state(self):
+        for label, opt in self._optimizers().items():
+            if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+                self.start_variable(label).assign(opt.skipped_steps_total)
+                opt.applied_loss.reset()
+
+    def result(self):
+        optimizers = self._optimizers()
+        logs = {}
+        trained = False
+        for label, opt in optimizers.items():
+            prefix = "" if len(optimizers) == 1 else f"{label}_"
+            if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+                # Only in training steps: evaluate() keeps returning what it did.
+                if not opt.took_step():
+                    continue
+                trained = True
+                values = _values(opt, prefix, self.start_variable(label))
+                logs.update(values)
+                if len(optimizers) == 1:
+                    loss = applied_loss.loss_in_logs(
+                        self._model_ref(), self, opt, values["skipped_steps"]
+                    )
+                    if loss is not None:
+                        logs["loss"] = loss  # replaces Keras's (same name)
+            elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
+                scale = loss_scale_of(opt)
+                if scale is not None and graph.assigned_here(scale):
+                    trained = True
+                    logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+        return logs if trained else {}
+
+
+def _values(opt, prefix: str, epoch_start) -> dict[str, Any]:
+    """The telemetry of one optimizer (tensors), read from its variables:
+    `skipped_steps` only where `epoch_start` (the count at the epoch's
+    start) is known."""
+    logs: dict[str, Any] = {}
+    scale = loss_scale_of(opt)
+    if scale is not None:
+        logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+    if isinstance(opt, optimizer_lib.LossScaleOptimizer):
+        total = tf.convert_to_tensor(opt.skipped_steps_total)
+        if epoch_start is not None:
+            logs[f"{prefix}skipped_steps"] = total - tf.convert_to_tensor(epoch_start)
+        logs[f"{prefix}skipped_steps_total"] = total
+    return logs
+
+
+def step_logs(model: keras.Model, per_epoch: bool) -> dict[str, Any]:
+    """kmp's telemetry for `model`, read after a training step from its
+    optimizers' variables (for logs that do not carry it: a `train_step`
+    returning its own dict). `skipped_steps` (this epoch) only with
+    `per_epoch`, where the model's telemetry metric is among
+    `model.metrics`, which Keras resets at each epoch start."""
+    metric = getattr(model, "kmp_loss_scale_telemetry", None)
+    optimizers = registry.optimizers_of(model)
+    logs: dict[str, Any] = {}
+    for label, opt in optimizers.items():
+        prefix = "" if len(optimizers) == 1 else f"{label}_"
+        start = (
+            metric.start_variable(label)
+            if per_epoch and isinstance(metric, LossScaleTelemetry)
+            else None
+        )
+        logs.update(_values(opt, prefix, start))
+    return logs
+
+
+def metric_in_metrics(model: keras.Model) -> bool:
+    """Whether `model.metrics` holds its telemetry metric (a model that
+    overrides `metrics` may leave it out)."""
+    metric = getattr(model, "kmp_loss_scale_telemetry", None)
+    return metric is not None and any(m is metric for m in model.metrics)

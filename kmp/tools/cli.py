@@ -1,0 +1,256 @@
+"""The `kmp` command line's commands. The only module that prints.
+
+Its parser and entry point are in `kmp_cli`, which needs no TensorFlow (so
+that `kmp --help` answers at once) and calls `run` here once a command is
+parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kmp._base.table import format_table
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from kmp.backend import machine
+    from kmp.precision import policy as policy_lib
+
+    rows = []
+    for name in policy_lib.list_policies():
+        if name == policy_lib.AUTO:
+            continue
+        p = policy_lib.get(name)
+        scaling = "yes" if p.needs_loss_scaling else "no"
+        rows.append((p.name, p.compute_dtype, p.variable_dtype, scaling))
+    print(format_table(("name", "compute", "variables", "loss scaling"), rows))
+    choice = machine.resolve_auto()
+    print(f"\n'auto' on this machine: {choice.policy} ({choice.reason})")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from kmp.diagnostics.doctor import doctor
+
+    report = doctor()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    caps = report.capabilities
+    yes = {True: "yes", False: "no"}
+    print("kmp doctor\n")
+    rows = [
+        (
+            "CPU",
+            f"{caps.cpu.model} ({caps.cpu.cores} cores)",
+            yes[caps.cpu.native_bfloat16],
+            yes[caps.cpu.native_float16],
+            ", ".join(sorted(caps.cpu.flags)) or "-",
+        )
+    ]
+    for gpu in caps.gpus:
+        cc = ".".join(map(str, gpu.compute_capability))
+        rows.append(
+            (
+                "GPU",
+                f"{gpu.name} (compute capability {cc})",
+                yes[gpu.bfloat16_tensor_cores],
+                yes[gpu.float16_tensor_cores],
+                "TF32" if gpu.tf32 else "-",
+            )
+        )
+    if caps.tpus:
+        rows.append(("TPU", f"{caps.tpus} device(s)", "yes", "no", "-"))
+    print(format_table(("device", "name", "bfloat16", "float16", "features"), rows))
+    print(f"\n'auto' picks: {report.auto.policy}\n  because: {report.auto.reason}")
+    print(f"\nfused update: {report.fused_update}")
+    print("\nversions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
+    if report.warnings:
+        print("\nwarnings:")
+        for warning in report.warnings:
+            print(f"  - {warning}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kmp.tools import bench
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    results = bench.run(
+        model=args.model,
+        policies=policies,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        rounds=args.rounds,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        compare_keras=args.keras,
+        keras_budget_s=args.keras_budget or None,
+        imports=args.imports,
+    )
+    if args.plot:
+        bench.plot(results, args.plot, title=f"kmp bench: {args.model}")
+    if args.json:
+        print(bench.to_json(results))
+        return 0
+    gpu = any(r.peak_gpu_mb is not None for r in results)
+    header = ["policy", "ms/step", "speed-up", "samples/s", "peak RSS MB"]
+    header += ["peak GPU MB"] if gpu else []
+    header += ["loss (mean)", "skipped"]
+    compared = any(r.kmp_vs_keras is not None for r in results)
+    by_policy = {r.policy: r for r in results}
+    header += ["kmp/Keras"] if compared else []
+    rows = []
+    for r in results:
+        row = [
+            r.policy,
+            f"{r.median_step_ms:.1f}",
+            "-" if r.speedup_vs_float32 is None else f"{r.speedup_vs_float32:.2f}x",
+            f"{r.samples_per_s:.0f}",
+            f"{r.peak_host_rss_mb:.0f}",
+        ]
+        row += [f"{r.peak_gpu_mb:.0f}"] if gpu else []
+        skipped = "-" if r.skipped_steps is None else str(r.skipped_steps)
+        row += [f"{r.final_loss:.4f}", skipped]
+        if compared:
+            keras_row = by_policy.get(f"keras:{r.policy}")
+            bound = ">=" if keras_row is not None and keras_row.stopped_early else ""
+            row += ["-" if r.kmp_vs_keras is None else f"{bound}{r.kmp_vs_keras:.2f}"]
+        if r.stopped_early:
+            row[1] += " (stopped early)"
+        rows.append(row)
+    print(
+        f"kmp bench: {args.model}, batch {args.batch_size}, {args.steps} timed "
+        f"steps x {args.rounds} rounds, medians\n"
+    )
+    print(format_table(header, rows))
+    if compared:
+        print(
+            "\nkmp/Keras: plain Keras's step time over kmp's under the same "
+            "policy (above 1: kmp is faster)."
+        )
+    if any(r.stopped_early for r in results):
+        print(
+            f"stopped early: the run reached --keras-budget ({args.keras_budget:g} "
+            "s); its figure is from its steps after the warm-up (after the "
+            "first when it stopped at two), and a kmp/Keras ratio against it "
+            "is marked with >=."
+        )
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _epochs(n: int) -> str:
+    return f"{n} epoch" if n == 1 else f"{n} epochs"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    import os
+
+    from kmp.backend import machine
+    from kmp.diagnostics import doctor
+    from kmp.tools import demo
+
+    runs = demo.run(model=args.model, epochs=args.epochs)
+    base = next(r for r in runs if r.policy == "float32")
+    plot_path = os.path.abspath(args.plot)
+    demo.plot(runs, plot_path, f"kmp demo: {args.model} on scikit-learn digits")
+    close = all(abs(r.val_accuracy - base.val_accuracy) <= 0.01 for r in runs)
+    learned = all(r.val_accuracy >= 5 * demo.CHANCE for r in runs)
+    converged = args.epochs >= demo.CONVERGED_EPOCHS
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "epochs": args.epochs,
+                    "runs": [dataclasses.asdict(r) for r in runs],
+                    "accuracy_within_1_point_of_float32": close,
+                    "well_above_chance": learned,
+                    "converged": converged,
+                    "fast_path": doctor.fast_path(machine.capabilities()),
+                    "plot": plot_path,
+                },
+                indent=2,
+            )
+        )
+        return 0 if learned and (close or not converged) else 1
+    rows = []
+    for r in runs:
+        scale = (
+            "-"
+            if r.loss_scale_min is None
+            else f"{r.loss_scale_min:g} .. {r.loss_scale_max:g}"
+        )
+        rows.append(
+            (
+                r.policy,
+                f"{r.median_step_ms:.2f}",
+                f"{base.median_step_ms / r.median_step_ms:.2f}x",
+                f"{r.peak_host_rss_mb:.0f}",
+                f"{100 * r.val_accuracy:.1f}%",
+                scale,
+                str(r.skipped_steps),
+            )
+        )
+    print(
+        f"\nkmp demo: a {args.model} on scikit-learn's handwritten digits "
+        f"(1,797 8x8 images; 20% held out), {_epochs(args.epochs)} per policy\n"
+    )
+    print(
+        format_table(
+            (
+                "policy",
+                "ms/step",
+                "speed-up",
+                "peak RSS MB",
+                "val accuracy",
+                "loss scale",
+                "skipped",
+            ),
+            rows,
+        )
+    )
+    print(f"\n{doctor.fast_path(machine.capabilities())}")
+    print(f"\nloss curves and loss scale: {plot_path}")
+    if not learned:
+        print(
+            "WARNING: a policy did not learn (accuracy under 50%; chance is "
+            "10%): that is a bug, please report it with this output."
+        )
+        return 1
+    if not converged:
+        print(
+            f"{_epochs(args.epochs)}: the models have not converged yet, so the "
+            f"1-point accuracy check needs --epochs {demo.CONVERGED_EPOCHS} or more."
+        )
+        return 0
+    if close:
+        print(
+            "every policy is within 1 point of float32's accuracy "
+            f"({100 * base.val_accuracy:.1f}%); chance is 10%."
+        )
+        return 0
+    print(
+        "WARNING: a policy is more than 1 point from float32's accuracy; "
+        "that is a bug: please report it with this output."
+    )
+    return 1
+
+
+_COMMANDS = {
+    "policies": _cmd_policies,
+    "doctor": _cmd_doctor,
+    "bench": _cmd_bench,
+    "demo": _cmd_demo,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the command `kmp_cli.build_parser()` parsed into `args`."""
+    return _COMMANDS[args.command](args)

@@ -1,0 +1,87 @@
+"""`kmp.telemetry.attach`: a compiled model made to log the loss scale and
+skipped steps in `fit` (kmp's telemetry metric among its metrics, and kmp's
+train function set)."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+
+from kmp.internals import keras_private
+from kmp.precision import traversal
+from kmp.scaling.telemetry import LossScaleTelemetry
+from kmp.scaling.telemetry import metric_in_metrics
+from kmp.scaling.telemetry import step_logs
+from kmp.training import train_function
+
+logger = logging.getLogger("kmp")
+
+
+def _track(model: keras.Model, metric: LossScaleTelemetry) -> None:
+    """Adds `metric` to `model`'s metrics.
+
+    Keras never locks the state of a Sequential or Functional model (their
+    layers are their state), except that `Model.quantize` leaves the model's
+    tracker locked when it returns; for those models the lock is lifted for
+    this one attribute and put back. A subclassed model's lock (set when it
+    is built) is respected: the caller warns.
+    """
+    if not traversal.is_graph(model):
+        model.kmp_loss_scale_telemetry = metric
+        return
+    with keras_private.tracker_unlocked(model):
+        model.kmp_loss_scale_telemetry = metric
+
+
+def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
+    """Makes `fit` log the loss scale and skipped steps of `model`'s
+    loss-scaling optimizers (kmp's, or Keras's own wrapper's scale).
+    Idempotent; `kmp.compile` calls it. Works before or after training and
+    after `keras.models.load_model`: a train step already traced is traced
+    again, with the telemetry, at the next `fit`. A `train_step` that
+    returns its own dict, and a model whose state Keras has locked, get them
+    from kmp's train function (`kmp.train_function`), which `attach` sets.
+
+    Args:
+        model: A compiled Keras model.
+        complete_plan: For `kmp.compile`: the train function applies kmp's
+            precision plan again once `fit` has built the model.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4),
+    ...                           keras.layers.Dense(1)])
+    >>> model = kmp.compile(model, optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    >>> sorted(k for k in history.history if "skip" in k or "scale" in k)
+    ['loss_scale', 'skipped_steps', 'skipped_steps_total']
+    """
+    refused = _add_metric(model)
+    if refused:
+        logger.debug(
+            "kmp.telemetry: %s's state is locked (%s): the train function adds "
+            "the telemetry to its logs, without a per-epoch skip count.",
+            type(model).__name__,
+            refused,
+        )
+    train_function.install(model, complete_plan, step_logs, metric_in_metrics)
+    return model
+
+
+def _add_metric(model: keras.Model) -> str:
+    """Adds a `LossScaleTelemetry` to `model`'s metrics (once), and has a
+    train step traced before traced again with it. Returns `''`, or why
+    Keras refused (it locks a built subclassed model's state)."""
+    if isinstance(getattr(model, "kmp_loss_scale_telemetry", None), LossScaleTelemetry):
+        return ""
+    try:
+        _track(model, LossScaleTelemetry(model))
+    except ValueError as e:
+        return str(e).strip() if str(e) != "None" else "no reason given"
+    # A train step traced before has no telemetry in it: trace it again.
+    if getattr(model, "train_function", None) is not None:
+        model.train_function = None
+    return ""

@@ -1,0 +1,196 @@
+"""kmp's part in `fit`'s train function: Keras's own function, run as it is,
+with what kmp can only do once the model is built and once a step's logs
+are known.
+
+`kmp.compile` and `kmp.telemetry.attach` set `model.train_function` to a
+`TrainFunction`, which
+Keras's `make_train_function` then keeps (it makes a function only where
+there is none). At its first call, inside `fit`:
+
+* for a subclassed model that was not built when it was compiled, it
+  builds the model from the shape of the inputs (as Keras does from a
+  saved input shape: a symbolic call, nothing runs) and completes the
+  precision plan (which layer produces the output of its `call` is read
+  from a trace); where that cannot be done before the step (several
+  inputs, `train_on_batch` first), the plan is completed after the first
+  step and the step traced again if a layer changed;
+* it has Keras make its own train function, and calls it from then on.
+
+After each call from `fit`, where the step's logs lack kmp's telemetry (a
+`train_step` that returns its own dict, or a model whose state Keras locked
+before kmp could add its metric), it adds the loss scale and the skipped
+steps, read from the optimizers' variables after the step (no device sync:
+the values travel with the logs, which Keras reads when it reads the loss).
+`skipped_steps` (this epoch) is added only where Keras resets kmp's
+telemetry metric at each epoch start (it is among `model.metrics`; a model
+that overrides `metrics` gets `skipped_steps_total`). `train_on_batch`
+returns the step's logs as the `train_step` wrote them.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmp._base import warn as _warn
+from kmp.backend import tracing
+from kmp.planning import apply as plan_apply
+
+# (model, per_epoch) -> the telemetry logs read after a step; (model) ->
+# whether the per-epoch count can be reported. `kmp.telemetry` provides them.
+LogsReader = Callable[[keras.Model, bool], dict]
+EpochCheck = Callable[[keras.Model], bool]
+
+
+class TrainFunction:
+    """`model.train_function` as kmp sets it (see the module docstring).
+
+    Args:
+        model: The model compiled.
+        complete_plan: Whether to apply kmp's precision plan again once the
+            model is built (it was not built when it was compiled).
+        logs: Reads the telemetry after a step (`kmp.telemetry.step_logs`).
+        per_epoch: Whether the per-epoch skip count can be reported
+            (`kmp.telemetry.metric_in_metrics`).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        complete_plan: bool,
+        logs: LogsReader,
+        per_epoch: EpochCheck,
+    ):
+        self._model = weakref.ref(model)
+        self._complete_plan = complete_plan
+        self._logs = logs
+        self._epoch_check = per_epoch
+        self._inner = None
+        self._adds: bool | None = None  # decided at the first step from fit
+        self._per_epoch = False
+
+    def __call__(self, iterator: Any) -> Any:
+        model = self._model()
+        if self._inner is None:
+            if self._complete_plan and not plan_apply.ready(model):
+                _build(model, iterator)
+            if self._complete_plan and plan_apply.ready(model):
+                self._complete_plan = False
+                plan_apply.complete(model)
+            self._inner = self._keras_function(model)
+            logs = self._first_step(model, iterator)
+        else:
+            logs = self._inner(iterator)
+        if self._complete_plan:
+            # Built only by the first step's own trace: the plan is completed
+            # now (or never, where kmp cannot trace the model), and the next
+            # step is traced again if a layer changed.
+            self._complete_plan = False
+            if plan_apply.ready(model) and plan_apply.complete(model):
+                self._inner = self._keras_function(model)
+        if not _from_fit(iterator) or not isinstance(logs, dict):
+            return logs
+        if self._adds is None:
+            self._per_epoch = self._epoch_check(model)
+            wanted = self._logs(model, self._per_epoch)
+            self._adds = any(key not in logs for key in wanted)
+        if not self._adds:
+            return logs
+        extra = self._logs(model, self._per_epoch)
+        return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+
+    def _first_step(self, model: keras.Model, iterator: Any) -> Any:
+        """The first step. Where its trace fails on mixed float dtypes and
+        kmp gave float32 outputs to the user code it runs (a train_step that
+        joins a model's output with a 16-bit tensor in raw TensorFlow),
+        those outputs get their policy back, with a warning, and the step
+        is traced again (from `fit`, whose tf.data iterator the failed trace
+        did not advance)."""
+        built = plan_apply.all_built(model)
+        try:
+            return self._inner(iterator)
+        except (TypeError, tf.errors.InvalidArgumentError) as e:
+            if not (tracing.mixes_dtypes(e) and _from_fit(iterator)):
+                raise
+            why = (
+                f"its training code failed with it in float32 ({tracing.error_line(e)})"
+            )
+            refused = plan_apply.refuse_user_outputs(model, why)
+            if not refused:
+                raise
+            if not built:
+                # Layers first built inside the failed trace cannot be used
+                # in another trace: kmp cannot run the step again itself.
+                self._inner = None
+                rules = "; ".join(
+                    f"kmp.set_layer_policy('name:{path}', {policy!r})"
+                    for path, policy in refused
+                )
+                raise TypeError(
+                    f"{tracing.error_line(e)}\n\nThe training step of "
+                    f"{model.name!r} joins an output kmp computes in float32 "
+                    "with a 16-bit tensor in raw TensorFlow, and layers were "
+                    "first built in that failed step, so kmp cannot run it "
+                    "again. Keep those outputs 16-bit, as plain Keras computes "
+                    f"them, before building the model: {rules}; or build its "
+                    "layers before fit (then kmp traces the step again itself)."
+                ) from e
+            _warn.warn(
+                f"kmp: the first training step of {model.name!r} failed on mixed "
+                f"dtypes with the outputs kmp computes in float32 for its code "
+                f"({tracing.error_line(e)}); kmp gives them back their 16-bit "
+                "policy, as plain Keras computes them, and traces the step "
+                "again. kmp.precision_report(model) lists them."
+            )
+            self._inner = self._keras_function(model)
+            return self._inner(iterator)
+
+    def _keras_function(self, model: keras.Model):
+        model.train_function = None
+        try:
+            model.make_train_function()
+            inner = model.train_function
+        finally:
+            model.train_function = self
+        return inner
+
+
+def _from_fit(iterator: Any) -> bool:
+    """fit hands over a tf.data iterator (train_on_batch a generator)."""
+    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
+
+
+def _build(model: keras.Model, iterator: Any) -> None:
+    """Builds `model` for the inputs `iterator` yields, as Keras builds a
+    model from its saved input shape (`build_from_config`: a symbolic call,
+    nothing runs), where they are one tensor. Without a strategy, Keras
+    builds a model only inside its first traced step, after the layers'
+    policies were read."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None:
+        return
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(spec)
+    if not isinstance(x, tf.TensorSpec):
+        return
+    with warnings.catch_warnings():
+        # Where Keras cannot build it so, it says so and leaves it unbuilt:
+        # the first step builds it, and the plan is completed after it.
+        warnings.simplefilter("ignore")
+        model.build_from_config({"input_shape": tuple(x.shape)})
+
+
+def install(
+    model: keras.Model,
+    complete_plan: bool,
+    logs: LogsReader,
+    per_epoch: EpochCheck,
+) -> None:
+    """Sets `model.train_function` to a `TrainFunction` (after `compile`,
+    which clears it), unless it is one already."""
+    if not isinstance(getattr(model, "train_function", None), TrainFunction):
+        model.train_function = TrainFunction(model, complete_plan, logs, per_epoch)
