@@ -24,9 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-# The suite runs on every core (pytest-xdist), a test file per worker.
+# The suite runs on every core (pytest-xdist), test by test; tests that
+# share a cached reference run on one worker (their xdist_group).
 test: lint
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadfile
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadgroup
 
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo

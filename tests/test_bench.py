@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import sys
 
 import keras
@@ -11,7 +12,9 @@ from kmp.tools import runs as _runs
 
 
 @pytest.mark.slow
-def test_bench_cli_prints_well_formed_json_for_each_policy(capsys, tmp_path):
+def test_bench_cli_prints_well_formed_json_for_each_policy(
+    capsys, tmp_path, runs_in_this_process
+):
     plot = tmp_path / "bench.png"
     code = kmp_cli.main(
         [
@@ -146,10 +149,15 @@ def test_bench_table_is_printed(capsys, monkeypatch):
     ]
     monkeypatch.setattr(bench, "run", lambda **kwargs: fake)
     assert kmp_cli.main(["bench"]) == 0
-    out = capsys.readouterr().out
-    assert "policy          ms/step  speed-up" in out
-    assert "loss (mean)" in out
-    assert "mixed_bfloat16  5.0      2.00x" in out
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("policy"))
+    head, row = lines[header], lines[header + 3]  # the header, a rule, float32
+    assert re.split(r"\s{2,}", head)[:3] == ["policy", "ms/step", "speed-up"]
+    assert "loss (mean)" in head
+    assert re.split(r"\s{2,}", row)[:3] == ["mixed_bfloat16", "5.0", "2.00x"]
+    # A table: each column starts where its header does, in every row.
+    for name, value in (("ms/step", "5.0"), ("speed-up", "2.00x")):
+        assert row.index(value) == head.index(name)
 
 
 @pytest.mark.parametrize(

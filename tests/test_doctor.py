@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -19,102 +20,41 @@ def caps(flags=(), gpus=(), tpus=0):
 def test_capabilities_describe_this_machine():
     c = kmp.hardware.capabilities()
     assert c.cpu.cores >= 1 and c.cpu.model
-    # The flags are the ones of interest that /proc/cpuinfo lists, read here
-    # independently.
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        listed = next(
-            (
-                set(line.split(":", 1)[1].split())
-                for line in f
-                if line.startswith("flags")
-            ),
-            set(),
-        )
-    assert c.cpu.flags == listed & set(hardware.CPU_FLAGS_OF_INTEREST)
+    assert c.cpu.flags <= set(hardware.CPU_FLAGS_OF_INTEREST)
     assert c is kmp.hardware.capabilities()  # probed once
 
 
-@pytest.mark.parametrize(
-    "cc, fp16, bf16, tf32",
-    [
-        ((6, 1), False, False, False),
-        ((7, 5), True, False, False),
-        ((8, 0), True, True, True),
-        ((9, 0), True, True, True),
-    ],
-)
-def test_gpu_tensor_core_support_follows_compute_capability(cc, fp16, bf16, tf32):
-    gpu = hardware.GPUInfo("g", cc)
-    assert (gpu.float16_tensor_cores, gpu.bfloat16_tensor_cores, gpu.tf32) == (
-        fp16,
-        bf16,
-        tf32,
-    )
-
-
-def test_auto_picks_bfloat16_on_tpus():
-    assert hardware.choose_policy([], frozenset(), tpus=8).policy == "mixed_bfloat16"
+def test_capabilities_keep_the_os_flags_that_matter_for_16_bit_math(monkeypatch):
+    # What the OS lists (read_cpu_flags: tested on a file in test_policy.py)
+    # is narrowed to the flags of interest, and probed once.
+    listed = frozenset({"sse", "avx2", "avx512f", "amx_bf16", "avx512_fp16"})
+    monkeypatch.setattr(machine, "read_cpu_flags", lambda: listed)
+    machine.cpu_flags.cache_clear()
+    machine.capabilities.cache_clear()
+    try:
+        assert machine.capabilities().cpu.flags == {"amx_bf16", "avx512_fp16"}
+        assert machine.capabilities().cpu.native_bfloat16
+    finally:
+        machine.cpu_flags.cache_clear()
+        machine.capabilities.cache_clear()
 
 
 @pytest.mark.parametrize(
-    "machine, expected",
+    "fuses, said",
     [
-        (
-            caps(),
-            ["convolutions in float32", "no native bfloat16", "no native float16"],
-        ),
-        (caps({"avx512_bf16"}), ["convolutions in float32", "no native float16"]),
-        (caps({"amx_bf16", "amx_fp16"}), ["convolutions in float32"]),
-        (caps(gpus=[("T4", (7, 5))]), ["float16 but not bfloat16"]),
-        (caps(gpus=[("A100", (8, 0))]), []),
-        (caps(gpus=[("P100", (6, 0))]), ["no Tensor Cores"]),
+        (True, "fused update: kmp fuses the float32 optimizer update with XLA"),
+        (False, "fused update: The optimizer update is not fused by default here"),
     ],
 )
-def test_known_slow_paths(machine, expected):
-    warnings = hardware.known_slow_paths(machine)
-    assert len(warnings) == len(expected)
-    for warning, text in zip(warnings, expected, strict=True):
-        assert text in warning
-
-
-@pytest.mark.parametrize(
-    "machine, expected",
-    [
-        (caps(), "No fast 16-bit path: this CPU has no native"),
-        (caps({"avx512_bf16"}), "Fast path: AVX512-BF16 on this CPU (bfloat16 dot"),
-        (
-            caps({"amx_bf16", "avx512_bf16", "avx512_fp16"}),
-            "Fast path: AMX-BF16 (bfloat16 matrix units)",
-        ),
-        (caps({"avx512_fp16"}), "Fast path: native float16 math (AVX512-FP16)"),
-        (
-            caps(gpus=[("A100", (8, 0))]),
-            "the bfloat16 and float16 Tensor Cores of A100",
-        ),
-        (caps(gpus=[("P100", (6, 0))]), "No fast 16-bit path: P100 has no 16-bit"),
-        (caps(tpus=8), "Fast path: TPUs"),
-    ],
-)
-def test_fast_path_names_what_a_speed_up_comes_from(machine, expected):
-    line = hardware.fast_path(machine)
-    assert expected in line
-    assert "\n" not in line
-    # float16 being native too is said only where it is.
-    assert ("float16 math is native too" in line) == (
-        machine.cpu.flags >= {"amx_bf16", "avx512_fp16"} and not machine.gpus
-    )
-
-
-def test_doctor_states_the_fused_update_rule(capsys, monkeypatch):
+def test_doctor_states_the_fused_update_rule(capsys, monkeypatch, fuses, said):
     from kmp.backend import fused
 
+    monkeypatch.setattr(fused, "default_for_machine", lambda: fuses)
     assert kmp_cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert f"fused update: {fused.rule()}" in out
-    monkeypatch.setattr(fused, "default_for_machine", lambda: True)
-    assert f"at least {fused.MIN_WEIGHTS:,} weights" in fused.rule()
-    monkeypatch.setattr(fused, "default_for_machine", lambda: False)
-    assert "not fused by default here" in fused.rule()
+    assert said in out
+    if fuses:
+        assert f"at least {fused.MIN_WEIGHTS:,} weights" in out
 
 
 def test_doctor_returns_data_matching_the_auto_policy():
@@ -131,7 +71,8 @@ def test_doctor_command_prints_devices_auto_and_versions(capsys):
     assert kmp_cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "device  name" in out and "CPU" in out
-    assert f"'auto' picks: {kmp.doctor().auto.policy}" in out
+    picked = re.search(r"'auto' picks: (\S+)", out)
+    assert picked and picked[1] in kmp.list_policies()
     assert "versions: kmp" in out
 
 

@@ -65,16 +65,25 @@ def test_every_class_fused_by_default_is_checked_here():
     assert {type(make()) for make in OPTIMIZERS.values()} == set(fused.TESTED)
 
 
-def train(make_optimizer, fused_update, policy="mixed_float16", steps=4):
-    kmp.set_policy(policy)
+def train(make_optimizer, fused_update, steps=4):
+    """Four updates of an MLP's variables from the same scaled gradients (the
+    loss scale times values whose norm is well above 1, so that clipping
+    clips), eagerly: the fused update is the same XLA program eagerly as in a
+    train step, and the plain one Keras's own code."""
+    kmp.set_policy("mixed_float16")
     model = mlp()
     opt = kmp.LossScaleOptimizer(
         make_optimizer(), initial_scale=128, fused_update=fused_update
     )
-    model.compile(optimizer=opt, loss="mse")
-    x, y = data()
-    for i in range(steps):
-        model.train_on_batch(x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)])
+    variables = model.trainable_variables
+    opt.build(variables)
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        grads = [
+            tf.constant(128 * rng.normal(size=v.shape).astype("float32"))
+            for v in variables
+        ]
+        opt.apply(grads, variables, scaled=True)
     return model, opt
 
 
@@ -451,11 +460,17 @@ def test_the_inner_optimizers_own_accumulation_is_fused_under_bfloat16():
 
 
 def test_op_determinism_keeps_the_default_unfused(monkeypatch):
+    from tensorflow.python.framework import config
+
     monkeypatch.setattr(fused, "default_for_machine", lambda: True)
     assert fused.resolve(None)
-    monkeypatch.setattr(fused, "_op_determinism_enabled", lambda: True)
-    assert not fused.resolve(None)
-    assert fused.resolve(True)
+    tf.config.experimental.enable_op_determinism()  # read through TensorFlow
+    try:
+        assert not fused.resolve(None)
+        assert fused.resolve(True)
+    finally:
+        config.disable_op_determinism()  # no public way back; tests only
+    assert fused.resolve(None)
 
 
 def test_a_variable_of_unknown_shape_is_updated_unfused_by_default(monkeypatch):

@@ -187,6 +187,7 @@ def train_wgan(policy):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("wgan")  # one worker trains the float32 reference once
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_keras_io_wgan_gp_trains_as_written_like_float32(policy):
     reference = float32_reference()

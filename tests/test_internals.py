@@ -5,6 +5,7 @@ fails closed where one is not."""
 import importlib
 
 import keras
+import numpy as np
 import pytest
 
 from kmp.internals import changed
@@ -32,8 +33,33 @@ def test_every_keras_attribute_kmp_reads_is_there():
     assert keras_private.inbound_nodes(model.get_layer("head"))
     with keras_private.tracker_unlocked(model):
         model.kmp_probe = 1
-    methods = keras_private.attention_methods(keras.layers.MultiHeadAttention)
-    assert len(methods) == len(keras_private.ATTENTION_METHODS)
+    for base in (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention):
+        assert keras_private.runs_attention_code_of(base.__new__(base), base)
+
+    class OwnScores(keras.layers.MultiHeadAttention):
+        def _compute_attention(self, *args, **kwargs):
+            return super()._compute_attention(*args, **kwargs)
+
+    layer = OwnScores(2, 4)
+    assert not keras_private.runs_attention_code_of(
+        layer, keras.layers.MultiHeadAttention
+    )
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    built = Subclassed()
+    built(np.ones((2, 3), "float32"))
+    assert keras_private.build_shapes(built) == {"input_shape": (2, 3)}
+    assert keras_private.build_shapes(Subclassed()) == {}
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(model.trainable_variables)
+    assert len(keras_private.optimizer_variables(optimizer)) == 4
     variable = model.get_layer("head").kernel
     assert keras_private.backing_variable(variable) is not variable
 
@@ -75,5 +101,30 @@ def test_a_keras_hub_class_that_moved_is_warned_about(monkeypatch):
         kmp.planning.decisions.plan(_functional())
 
 
-def test_op_determinism_is_read_from_the_installed_tensorflow():
+def test_the_probes_move_none_of_keras_automatic_names():
+    keras_private._probe_model.cache_clear()
+
+    def number(name):
+        return int(name.rsplit("_", 1)[1]) if "_" in name else 0
+
+    model = _functional()
+    before = keras.layers.Dense(1).name, keras.Model(model.inputs, model.outputs).name
+    keras_private.graph_nodes(model)  # builds the probe
+    keras_private.build_shapes(model)
+    after = keras.layers.Dense(1).name, keras.Model(model.inputs, model.outputs).name
+    # The next automatic names, as if no probe had been built.
+    assert [number(a) - number(b) for a, b in zip(after, before, strict=True)] == [1, 1]
+
+
+def test_a_class_that_moved_and_is_re_exported_does_not_resolve():
+    # kmp matches a class by where it is defined, not where it is importable.
+    assert keras_hub_names._resolves("keras.src.layers.core.dense.Dense")
+    assert not keras_hub_names._resolves("keras.layers.Dense")
+    assert not keras_hub_names._resolves("no_such_module.Dense")
+
+
+def test_what_kmp_reads_of_tensorflow_is_there():
+
     assert tensorflow_private.op_determinism_enabled() is False
+    # The default strategy applies its updates in replica context.
+    assert tensorflow_private.strategy_supports_no_merge_call() is True

@@ -224,3 +224,36 @@ def test_the_applied_loss_variables_come_after_every_other_optimizer_variable():
         "applied_loss_total",
         "applied_loss_steps",
     ]
+
+
+def test_the_graph_check_sees_keras_own_wrapper_update_its_scale_when_traced():
+    # Inside a tf.function the graph holds the scale's handle as a captured
+    # placeholder, in nested functions too: a train step assigns it, an
+    # evaluation step does not.
+    import tensorflow as tf
+
+    from kmp.backend import graph
+
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    variable = keras.Variable(np.ones(2, "float32"))
+    opt.build([variable])
+    seen = {}
+
+    @tf.function
+    def inner_train():
+        opt.apply([tf.ones(2)], [variable])
+        seen["train"] = graph.assigned_here(opt.dynamic_scale)
+
+    @tf.function
+    def train():
+        inner_train()
+        seen["outer train"] = graph.assigned_here(opt.dynamic_scale)
+
+    @tf.function
+    def evaluate():
+        seen["evaluate"] = graph.assigned_here(opt.dynamic_scale)
+        return variable + 1.0
+
+    train()
+    evaluate()
+    assert seen == {"train": True, "outer train": True, "evaluate": False}

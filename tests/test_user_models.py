@@ -128,6 +128,7 @@ def train_vae(policy):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vae")  # one worker trains the float32 reference once
 @pytest.mark.parametrize("policy", MIXED)
 def test_keras_io_vae_trains_like_float32_with_its_skips_in_history(policy):
     reference = vae_float32_logs()
@@ -201,6 +202,7 @@ def train_regressor(policy, build_first):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("regressor")  # one worker trains each reference once
 @pytest.mark.parametrize("build_first", [False, True], ids=["unbuilt", "built"])
 @pytest.mark.parametrize("policy", MIXED)
 def test_a_compute_loss_override_trains_like_float32(policy, build_first):

@@ -17,9 +17,8 @@ def _inside_kmp(frame) -> bool:
     name = frame.f_globals.get("__name__", "")
     if name.startswith(("kmp.", "tensorflow.python.autograph.")) or name == "kmp":
         return True  # kmp, or autograph calling a converted kmp function
-    return os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(
-        _KMP_DIR
-    )
+    directory = os.path.dirname(os.path.abspath(frame.f_code.co_filename))
+    return directory == _KMP_DIR or directory.startswith(_KMP_DIR + os.sep)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

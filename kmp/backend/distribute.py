@@ -15,6 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from kmp.internals import tensorflow_private
+
 
 def agree(flags: Any):
     """ANDs boolean flags across the replicas of a tf.distribute strategy (an
@@ -64,7 +66,7 @@ def step_if_finite(
     needs_merge = (
         context is not None
         and tf.distribute.has_strategy()
-        and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        and not tensorflow_private.strategy_supports_no_merge_call()
     )
 
     def skip(record):

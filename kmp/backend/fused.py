@@ -62,6 +62,7 @@ import keras
 import tensorflow as tf
 
 from kmp.backend import machine
+from kmp.internals import tensorflow_private
 
 # The optimizer classes `fused_update=None` fuses (tests/test_fused.py checks
 # each against its unfused update). Not Muon (its update is mostly matmuls,
@@ -97,15 +98,6 @@ def check_setting(value: Any) -> bool | None:
             f"{value!r} (of type {type(value).__name__})."
         )
     return value
-
-
-def _op_determinism_enabled() -> bool:
-    # TensorFlow has no public getter; Keras reads the same function.
-    try:
-        from tensorflow.python.framework import config
-    except ImportError:  # pragma: no cover - a TensorFlow without it
-        return False
-    return bool(config.is_op_determinism_enabled())
 
 
 def is_tested(optimizer: Any) -> bool:
@@ -192,7 +184,7 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
         return True
     return (
         default_for_machine()
-        and not _op_determinism_enabled()
+        and not tensorflow_private.op_determinism_enabled()
         and (optimizer is None or is_tested(optimizer))
         and (variables is None or (weights_of(variables) or 0) >= MIN_WEIGHTS)
     )

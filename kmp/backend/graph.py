@@ -36,7 +36,21 @@ def assigned_here(variable) -> bool:
     handle = getattr(getattr(variable, "value", None), "handle", None)
     if handle is None:
         handle = getattr(variable, "handle", None)
+    inside = _inside(graph, handle)
     return any(
-        op.type in _ASSIGNING and any(t is handle for t in op.inputs)
+        op.type in _ASSIGNING and any(id(t) in inside for t in op.inputs)
         for op in graph.get_operations()
     )
+
+
+def _inside(graph, handle) -> set[int]:
+    """ids of the tensors that stand for `handle` in `graph`: the handle, and
+    the placeholders a function graph captured it as (through every
+    enclosing function graph, `outer_graph`)."""
+    outer = getattr(graph, "outer_graph", None)
+    ids = {id(handle)} if outer is None else _inside(outer, handle) | {id(handle)}
+    return ids | {
+        id(internal)
+        for external, internal in getattr(graph, "captures", ())
+        if id(external) in ids
+    }

@@ -1,6 +1,6 @@
 """Finding what went non-finite, and where: overflow attribution and a
 layer-by-layer non-finite search. (`kmp.debug.precision_audit`, the
-pre-training audit, lives in `kmp.audit`.)
+pre-training audit, lives in `kmp.diagnostics.audit`.)
 
 Functions here return data objects; `str()` of each is a readable report.
 """

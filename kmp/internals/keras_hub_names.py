@@ -13,7 +13,7 @@ import functools
 import importlib
 import sys
 
-NORMALIZATION_FLOAT32_INSIDE = (
+NORMALIZATION_FLOAT32_INSIDE_NAMES = (
     # Each casts to float32, normalizes, and casts back to the compute dtype.
     "models.gemma.rms_normalization.RMSNormalization",
     "models.gemma3.gemma3_layers.RMSNormalization",
@@ -25,10 +25,10 @@ NORMALIZATION_FLOAT32_INSIDE = (
     "models.phi3.phi3_layernorm.Phi3LayerNorm",
 )
 # Computes in the compute dtype (no float32 cast).
-NORMALIZATION_16BIT = ("models.t5.t5_layer_norm.T5LayerNorm",)
+NORMALIZATION_16BIT_NAMES = ("models.t5.t5_layer_norm.T5LayerNorm",)
 # Their own code: a float32 Softmax sublayer, query x key in the compute dtype
 # (rotary embeddings and caches make the projections theirs).
-ATTENTION_FLOAT32_SOFTMAX = (
+ATTENTION_FLOAT32_SOFTMAX_NAMES = (
     "models.gemma.gemma_attention.CachedGemmaAttention",
     "models.llama.llama_attention.LlamaAttention",
     "models.mistral.mistral_attention.CachedMistralAttention",
@@ -37,7 +37,7 @@ ATTENTION_FLOAT32_SOFTMAX = (
 # A MultiHeadAttention subclass with a call of its own (key/value caches
 # written with slice updates that do not promote): Keras's rule would change
 # what those updates receive.
-ATTENTION_OWN_CODE = (
+ATTENTION_OWN_CODE_NAMES = (
     "layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention",
 )
 
@@ -53,20 +53,28 @@ def all_names() -> tuple[str, ...]:
     return tuple(
         qualified(n)
         for n in (
-            *NORMALIZATION_FLOAT32_INSIDE,
-            *NORMALIZATION_16BIT,
-            *ATTENTION_FLOAT32_SOFTMAX,
-            *ATTENTION_OWN_CODE,
+            *NORMALIZATION_FLOAT32_INSIDE_NAMES,
+            *NORMALIZATION_16BIT_NAMES,
+            *ATTENTION_FLOAT32_SOFTMAX_NAMES,
+            *ATTENTION_OWN_CODE_NAMES,
         )
     )
 
 
 def _resolves(qualname: str) -> bool:
+    """Whether the installed KerasHub defines a class under exactly this
+    qualified name (kmp matches classes by `__module__` and `__qualname__`:
+    a class that moved and is re-exported from its old module would not
+    match)."""
     module, _, cls = qualname.rpartition(".")
     try:
-        return isinstance(getattr(importlib.import_module(module), cls, None), type)
-    except ImportError:
+        found = getattr(importlib.import_module(module), cls, None)
+    except Exception:  # a module that no longer imports, whatever the reason
         return False
+    return (
+        isinstance(found, type)
+        and f"{found.__module__}.{found.__qualname__}" == qualname
+    )
 
 
 @functools.cache

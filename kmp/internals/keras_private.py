@@ -1,11 +1,14 @@
 """The private Keras attributes kmp reads: a layer's sublayers, whether it
-converts its inputs, a functional model's graph, the tracker that locks a
-model's state, and the attention methods kmp's attention rule relies on.
+converts its inputs, a functional model's graph, the input shapes a model
+was built with, the tracker that locks a model's state, the attention
+methods kmp's attention rule compares, an optimizer's variables, and the
+backend variable inside a `keras.Variable`.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
-it reads (checked once per attribute, on a layer Keras itself builds, so a
-model that merely is not of the kind asked about is never mistaken for a
-changed Keras).
+it reads. An attribute every object of a kind has is checked on the object
+itself; one that only some objects have (a functional model's graph) is
+checked on a probe Keras itself builds, so that a model that merely is not
+of the kind asked about is never mistaken for a changed Keras.
 """
 
 from __future__ import annotations
@@ -27,10 +30,14 @@ def _check(obj: Any, name: str, consequence: str) -> None:
 
 @functools.cache
 def _probe_model() -> keras.Model:
-    # A two-layer functional model, built once: what every Keras keeps on a
-    # functional model and its tensors.
+    # A functional model of one weightless layer, built once: what every
+    # Keras keeps on a functional model and its tensors. Everything in it is
+    # named, so that it moves none of Keras's automatic names ('dense_1',
+    # 'functional_1') of the user's layers and models, and it makes no
+    # variables (it may first be needed while a step is traced).
     inputs = keras.Input((1,), name="kmp_probe_input")
-    return keras.Model(inputs, keras.layers.Dense(1, name="kmp_probe")(inputs))
+    outputs = keras.layers.Identity(name="kmp_probe")(inputs)
+    return keras.Model(inputs, outputs, name="kmp_probe_model")
 
 
 def sublayers(
@@ -66,11 +73,9 @@ def graph_nodes(model: keras.layers.Layer) -> dict | None:
 def producer(tensor: Any) -> Any:
     """The operation (layer) that produced a symbolic tensor of a functional
     model (`KerasTensor._keras_history`)."""
-    _check(
-        _probe_model().output,
-        "_keras_history",
-        "kmp cannot tell which layer produced a tensor",
-    )
+    consequence = "kmp cannot tell which layer produced a tensor"
+    _check(_probe_model().output, "_keras_history", consequence)
+    _check(_probe_model().output._keras_history, "operation", consequence)
     return tensor._keras_history.operation
 
 
@@ -85,7 +90,7 @@ def build_shapes(model: keras.layers.Layer) -> dict:
     """The input shapes a model was built with (`Layer._build_shapes_dict`),
     `{}` where Keras recorded none."""
     _check(
-        keras.layers.Dense(1),
+        _probe_model().layers[-1],
         "_build_shapes_dict",
         "kmp cannot trace a built subclassed model",
     )
@@ -96,9 +101,12 @@ def build_shapes(model: keras.layers.Layer) -> dict:
 def tracker_unlocked(model: keras.Model) -> Iterator[None]:
     """Lifts the lock Keras sets on a model's tracked state (`_tracker`;
     `Model.quantize` leaves it locked) for the body, and puts it back."""
-    _check(model, "_tracker", "kmp cannot add its telemetry metric to a model")
+    consequence = "kmp cannot add its telemetry metric to a model"
+    _check(model, "_tracker", consequence)
     tracker = model._tracker
-    locked = tracker is not None and getattr(tracker, "locked", False)
+    if tracker is not None:
+        _check(tracker, "locked", consequence)
+    locked = tracker is not None and tracker.locked
     if locked:
         tracker.unlock()
     try:
@@ -113,12 +121,25 @@ def tracker_unlocked(model: keras.Model) -> Iterator[None]:
 ATTENTION_METHODS = ("call", "_compute_attention", "_masked_softmax")
 
 
-def attention_methods(base: type) -> tuple[Any, ...]:
-    """`base`'s own attention methods (`ATTENTION_METHODS`), to compare with
-    a subclass's."""
+def runs_attention_code_of(layer: keras.layers.Layer, base: type) -> bool:
+    """Whether `layer` runs `base`'s own attention code: its class overrides
+    none of `base`'s attention methods (`ATTENTION_METHODS`)."""
     for name in ATTENTION_METHODS:
         _check(base, name, "kmp cannot tell an attention subclass's own code")
-    return tuple(getattr(base, name) for name in ATTENTION_METHODS)
+    return all(
+        getattr(type(layer), name) is getattr(base, name) for name in ATTENTION_METHODS
+    )
+
+
+def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The trainable variables a built optimizer was built for
+    (`Optimizer._trainable_variables`)."""
+    _check(
+        optimizer,
+        "_trainable_variables",
+        "kmp cannot find the variables a built optimizer updates",
+    )
+    return list(optimizer._trainable_variables)
 
 
 def backing_variable(variable: Any) -> Any:

@@ -5,7 +5,7 @@ KerasHub's), as data: each row names a class and its `LayerKind`, whose
 `action` says what kmp does under a 16-bit policy and whose `why` says why.
 Libraries and users add their own classes with `register_layer_class`
 (also reachable as `kmp.rules.register_layer_class`). `kmp.planning` reads
-the kinds to decide each layer's policy; `kmp.report` and `kmp.debug` read
+the kinds to decide each layer's policy; `kmp.diagnostics.report` and `kmp.debug` read
 them to describe layers.
 """
 
@@ -162,10 +162,10 @@ DEFAULTS: tuple[Default, ...] = (
         "DepthwiseConv1D DepthwiseConv2D SeparableConv1D SeparableConv2D",
         CONVOLUTION,
     ),
-    *_hub(hub.NORMALIZATION_FLOAT32_INSIDE, NORMALIZATION_FLOAT32_INSIDE),
-    *_hub(hub.NORMALIZATION_16BIT, NORMALIZATION_16BIT),
-    *_hub(hub.ATTENTION_FLOAT32_SOFTMAX, ATTENTION_FLOAT32_SOFTMAX),
-    *_hub(hub.ATTENTION_OWN_CODE, ATTENTION_OWN_CODE),
+    *_hub(hub.NORMALIZATION_FLOAT32_INSIDE_NAMES, NORMALIZATION_FLOAT32_INSIDE),
+    *_hub(hub.NORMALIZATION_16BIT_NAMES, NORMALIZATION_16BIT),
+    *_hub(hub.ATTENTION_FLOAT32_SOFTMAX_NAMES, ATTENTION_FLOAT32_SOFTMAX),
+    *_hub(hub.ATTENTION_OWN_CODE_NAMES, ATTENTION_OWN_CODE),
 )
 
 _registered: dict[str, Default] = {}
@@ -310,9 +310,7 @@ def keeps_keras_attention_code(layer: keras.layers.Layer) -> bool:
         if isinstance(layer, keras.layers.GroupQueryAttention)
         else keras.layers.MultiHeadAttention
     )
-    ours = keras_private.attention_methods(base)
-    theirs = tuple(getattr(type(layer), m) for m in keras_private.ATTENTION_METHODS)
-    return all(a is b for a, b in zip(theirs, ours, strict=True))
+    return keras_private.runs_attention_code_of(layer, base)
 
 
 _said_unresolved: set[str] = set()

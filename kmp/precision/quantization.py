@@ -179,7 +179,8 @@ def trains(layer: keras.layers.Layer) -> str:
     return "partly"
 
 
-# A LoRA factor's variable name (its layer's path is the rest of its path).
+# A LoRA factor's variable name (its layer's path is the rest of its path):
+# Dense/EinsumDense `lora_kernel_a`, Embedding `lora_embeddings_a`.
 LORA_FACTOR = re.compile(r"lora_(kernel|embeddings)_([ab])")
 _QUANTIZATION_PARAMETER = re.compile(r"(_scale|_zero|g_idx|amax_history)$")
 

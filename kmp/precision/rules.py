@@ -43,7 +43,7 @@ the next piece of user code:
   changes wherever those scores stay inside the layer (kmp traces the model
   to see it when user code calls the layer) or reach consumers that absorb
   a dtype change, and keeps its policy only where they reach user code.
-  What it does is set by `set_attention_scores` (below).
+  What it does is set by `kmp.rules.set_attention_scores`.
 
 Resolution order, for each float layer (first match wins):
 
@@ -109,9 +109,6 @@ FLOAT32 = "float32"
 
 class RuleConflictError(ValueError):
     """Two precision rules of the same rank disagree about one layer."""
-
-
-# --- user rules -------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)

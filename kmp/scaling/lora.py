@@ -12,8 +12,6 @@ import tensorflow as tf
 from kmp._base import warn as _warn
 from kmp.precision import quantization
 
-# LoRA factors: Dense/EinsumDense `lora_kernel_a`, Embedding `lora_embeddings_a`.
-
 
 def dead_adapters(variables) -> list[str]:
     """The layers whose LoRA factors among `variables` are both all zero, by

@@ -4,11 +4,11 @@ no step whose gradients are inf/NaN.
 
 It subclasses `keras.optimizers.LossScaleOptimizer` so that Keras's `compile`
 recognises it and never wraps it a second time. It is a composition of
-kmp's parts, each in a module of its own: the loss scale (`kmp.loss_scale`),
-whether the gradients handed to `apply` are scaled (`kmp.unscaling`), the
-overflow record (`kmp.overflow`), the agreement between replicas
+kmp's parts, each in a module of its own: the loss scale (`kmp.scaling.loss_scale`),
+whether the gradients handed to `apply` are scaled (`kmp.scaling.unscaling`), the
+overflow record (`kmp.scaling.overflow`), the agreement between replicas
 (`kmp.distribute`), the fused update (`kmp.fused`), the losses of applied
-steps (`kmp.applied_loss`) and the saved state (`kmp.saved_state`).
+steps (`kmp.scaling.applied_loss`) and the saved state (`kmp.scaling.saved_state`).
 tf.keras 2's contract lives in `kmp.mixed_precision`.
 """
 
@@ -24,6 +24,7 @@ from kmp._base import warn as _warn
 from kmp.backend import distribute
 from kmp.backend import finite as finite_lib
 from kmp.backend import fused
+from kmp.internals import keras_private
 from kmp.scaling import applied_loss as applied_loss_lib
 from kmp.scaling import config as ls_config
 from kmp.scaling import lora
@@ -59,7 +60,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     Clipping set on the inner optimizer acts on the unscaled gradients.
 
     Whether the gradients handed to `apply` are scaled is stated, never
-    guessed (`kmp.unscaling`):
+    guessed (`kmp.scaling.unscaling`):
 
         you hand over                 call                        kmp
         ----------------------------  --------------------------  ------------
@@ -133,7 +134,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     0.9
     """
 
-    # What `apply` takes when the caller states nothing (kmp.unscaling).
+    # What `apply` takes when the caller states nothing (kmp.scaling.unscaling).
     contract = unscaling.SCALED
 
     def __init__(
@@ -190,7 +191,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         object.__setattr__(
             self, "_overflow", overflow_lib.OverflowRecord(self._state_variable)
         )
-        # The losses of the applied steps, for fit's `loss` (kmp.applied_loss);
+        # The losses of the applied steps, for fit's `loss` (kmp.scaling.applied_loss);
         # its variables come last in build.
         object.__setattr__(self, "_applied_loss", applied_loss_lib.AppliedLoss())
 
@@ -310,7 +311,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def overflow_record(self) -> overflow_lib.OverflowRecord:
-        """The record of the last skipped step (`kmp.overflow`): per
+        """The record of the last skipped step (`kmp.scaling.overflow`): per
         variable flags (`overflow_record.flags`) and whether its loss was
         finite (`overflow_record.loss_finite`)."""
         return self._overflow
@@ -329,7 +330,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def applied_loss(self) -> applied_loss_lib.AppliedLoss:
         """The losses of the steps applied since telemetry's last epoch start
-        (`kmp.applied_loss`)."""
+        (`kmp.scaling.applied_loss`)."""
         return self._applied_loss
 
     # tf.keras 2's names, which its code reads.
@@ -456,7 +457,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.built = True
         fused.resolve(self.fused_update)  # raises for True under a strategy
         variables = (
-            self._trainable_variables
+            keras_private.optimizer_variables(self)
             if trainable_variables is None
             else list(trainable_variables)
         )
@@ -527,12 +528,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- saving ---------------------------------------------------------------
 
     def save_own_variables(self, store) -> None:
-        """Saves kmp's state by name (`kmp.saved_state`); the inner
+        """Saves kmp's state by name (`kmp.scaling.saved_state`); the inner
         optimizer's variables are saved by Keras, as anywhere."""
         saved_state.save(self._state_variables, store)
 
     def load_own_variables(self, store) -> None:
-        """Restores what `save_own_variables` saved (`kmp.saved_state`)."""
+        """Restores what `save_own_variables` saved (`kmp.scaling.saved_state`)."""
         # Files saved by position predate the applied-loss variables.
         later = {id(v) for v in self._applied_loss.variables()}
         by_position = [v for v in self.variables if id(v) not in later]

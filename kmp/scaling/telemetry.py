@@ -18,7 +18,7 @@ What it reads, per optimizer:
 
 Where a step skipped by a single `kmp.LossScaleOptimizer` had an inf/NaN
 loss, which makes Keras's mean over every step NaN for the rest of the
-epoch, `loss` is the mean loss of the steps it applied (`kmp.applied_loss`);
+epoch, `loss` is the mean loss of the steps it applied (`kmp.scaling.applied_loss`);
 `skipped_steps` beside it counts what was left out. Everywhere else, and on
 several replicas, `loss` is Keras's own.
 

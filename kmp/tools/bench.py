@@ -3,7 +3,7 @@
 Each (policy, round) runs in a fresh Python process, so that one policy's
 graph settings, caches and memory never leak into another's; rounds
 alternate the order of the policies, so that drift on a shared machine hits
-all alike. This module measures and returns data; `kmp.cli` prints it.
+all alike. This module measures and returns data; `kmp.tools.cli` prints it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ under float32 and under what kmp picks, and shows what precision bought.
 
 Each policy trains in a fresh process (so memory and graph settings are its
 own), on the same split with the same seed. This module measures and
-returns data; `kmp.cli` prints it.
+returns data; `kmp.tools.cli` prints it.
 """
 
 from __future__ import annotations

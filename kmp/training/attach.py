@@ -41,7 +41,7 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     after `keras.models.load_model`: a train step already traced is traced
     again, with the telemetry, at the next `fit`. A `train_step` that
     returns its own dict, and a model whose state Keras has locked, get them
-    from kmp's train function (`kmp.train_function`), which `attach` sets.
+    from kmp's train function (`kmp.training.train_function`), which `attach` sets.
 
     Args:
         model: A compiled Keras model.
