@@ -40,6 +40,77 @@ def test_capabilities_keep_the_os_flags_that_matter_for_16_bit_math(monkeypatch)
 
 
 @pytest.mark.parametrize(
+    "cc, fp16, bf16, tf32",
+    [
+        ((6, 1), False, False, False),
+        ((7, 5), True, False, False),
+        ((8, 0), True, True, True),
+        ((9, 0), True, True, True),
+    ],
+)
+def test_gpu_tensor_core_support_follows_compute_capability(cc, fp16, bf16, tf32):
+    gpu = hardware.GPUInfo("g", cc)
+    assert (gpu.float16_tensor_cores, gpu.bfloat16_tensor_cores, gpu.tf32) == (
+        fp16,
+        bf16,
+        tf32,
+    )
+
+
+def test_auto_picks_bfloat16_on_tpus():
+    assert hardware.choose_policy([], frozenset(), tpus=8).policy == "mixed_bfloat16"
+
+
+@pytest.mark.parametrize(
+    "machine, expected",
+    [
+        (
+            caps(),
+            ["convolutions in float32", "no native bfloat16", "no native float16"],
+        ),
+        (caps({"avx512_bf16"}), ["convolutions in float32", "no native float16"]),
+        (caps({"amx_bf16", "amx_fp16"}), ["convolutions in float32"]),
+        (caps(gpus=[("T4", (7, 5))]), ["float16 but not bfloat16"]),
+        (caps(gpus=[("A100", (8, 0))]), []),
+        (caps(gpus=[("P100", (6, 0))]), ["no Tensor Cores"]),
+    ],
+)
+def test_known_slow_paths(machine, expected):
+    warnings = hardware.known_slow_paths(machine)
+    assert len(warnings) == len(expected)
+    for warning, text in zip(warnings, expected, strict=True):
+        assert text in warning
+
+
+@pytest.mark.parametrize(
+    "machine, expected",
+    [
+        (caps(), "No fast 16-bit path: this CPU has no native"),
+        (caps({"avx512_bf16"}), "Fast path: AVX512-BF16 on this CPU (bfloat16 dot"),
+        (
+            caps({"amx_bf16", "avx512_bf16", "avx512_fp16"}),
+            "Fast path: AMX-BF16 (bfloat16 matrix units)",
+        ),
+        (caps({"avx512_fp16"}), "Fast path: native float16 math (AVX512-FP16)"),
+        (
+            caps(gpus=[("A100", (8, 0))]),
+            "the bfloat16 and float16 Tensor Cores of A100",
+        ),
+        (caps(gpus=[("P100", (6, 0))]), "No fast 16-bit path: P100 has no 16-bit"),
+        (caps(tpus=8), "Fast path: TPUs"),
+    ],
+)
+def test_fast_path_names_what_a_speed_up_comes_from(machine, expected):
+    line = hardware.fast_path(machine)
+    assert expected in line
+    assert "\n" not in line
+    # float16 being native too is said only where it is.
+    assert ("float16 math is native too" in line) == (
+        machine.cpu.flags >= {"amx_bf16", "avx512_fp16"} and not machine.gpus
+    )
+
+
+@pytest.mark.parametrize(
     "fuses, said",
     [
         (True, "fused update: kmp fuses the float32 optimizer update with XLA"),
