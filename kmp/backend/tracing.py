@@ -524,15 +524,22 @@ def _reaches_softmax(op, depth: int = 8) -> bool:
     return False
 
 
-def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
-    """The float dtypes `layer` returns for its recorded input, traced under
-    `policy` (its own by default; restored after), or None when the layer
-    has no single recorded input or cannot be traced."""
+def recorded_input(layer: keras.layers.Layer) -> keras.KerasTensor | None:
+    """The one symbolic input a layer was called on in a functional graph,
+    or None (never called there, called on several, or not on a tensor)."""
     try:
         spec = layer.input
     except (AttributeError, ValueError):
         return None
-    if not isinstance(spec, keras.KerasTensor):
+    return spec if isinstance(spec, keras.KerasTensor) else None
+
+
+def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
+    """The float dtypes `layer` returns for its recorded input, traced under
+    `policy` (its own by default; restored after), or None when the layer
+    has no single recorded input or cannot be traced."""
+    spec = recorded_input(layer)
+    if spec is None:
         return None
     own = quantization.snapshot(layer)
     if policy is not None:

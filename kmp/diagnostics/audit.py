@@ -442,11 +442,8 @@ def _scores_risk(d: planning.Decision, dtype: str) -> Risk:
 def _dtype_error(layer) -> str | None:
     """Calls a user-written layer on zeros under its current policy; returns
     the dtype error it raises, if any."""
-    try:
-        spec = layer.input
-    except (AttributeError, ValueError):
-        return None
-    if not isinstance(spec, keras.KerasTensor):
+    spec = tracing.recorded_input(layer)
+    if spec is None:
         return None
     shape = [2 if d is None else d for d in spec.shape]
     try:
