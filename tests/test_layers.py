@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINT_IMPORTS = pathlib.Path(sys.executable).parent / "lint-imports"
 
@@ -37,20 +39,31 @@ def test_the_layers_hold():
     assert result.returncode == 0, result.stdout
 
 
-def test_an_upward_import_breaks_the_layers(tmp_path):
+@pytest.mark.parametrize(
+    "module, added, said",
+    [
+        # An upward import: the precision core reaching into diagnostics.
+        (
+            "kinds.py",
+            "from kmp.diagnostics import report",
+            [
+                "kmp.precision is not allowed to import kmp.diagnostics",
+                "kmp.precision.kinds -> kmp.diagnostics.report",
+            ],
+        ),
+        # The precision core importing TensorFlow.
+        (
+            "rules.py",
+            "import tensorflow",
+            ["kmp.precision is not allowed to import tensorflow"],
+        ),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(tmp_path, module, added, said):
     _copy_of_kmp(tmp_path)
-    kinds = tmp_path / "kmp" / "precision" / "kinds.py"
-    kinds.write_text(kinds.read_text() + "\nfrom kmp.diagnostics import report\n")
+    path = tmp_path / "kmp" / "precision" / module
+    path.write_text(path.read_text() + f"\n{added}\n")
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "kmp.precision is not allowed to import kmp.diagnostics" in result.stdout
-    assert "kmp.precision.kinds -> kmp.diagnostics.report" in result.stdout
-
-
-def test_the_precision_core_importing_tensorflow_breaks_the_contract(tmp_path):
-    _copy_of_kmp(tmp_path)
-    rules = tmp_path / "kmp" / "precision" / "rules.py"
-    rules.write_text(rules.read_text() + "\nimport tensorflow\n")
-    result = _lint_imports(tmp_path)
-    assert result.returncode != 0
-    assert "kmp.precision is not allowed to import tensorflow" in result.stdout
+    for line in said:
+        assert line in result.stdout
