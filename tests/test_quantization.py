@@ -354,9 +354,10 @@ VOCAB = 64
 
 
 def _llama():
+    # One decoder block: every kind of layer a Llama has, half the tracing.
     backbone = keras_hub.models.LlamaBackbone(
         vocabulary_size=VOCAB,
-        num_layers=2,
+        num_layers=1,
         num_query_heads=2,
         num_key_value_heads=1,
         hidden_dim=16,

@@ -203,8 +203,14 @@ def train_regressor(policy, build_first):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("regressor")  # one worker trains each reference once
-@pytest.mark.parametrize("build_first", [False, True], ids=["unbuilt", "built"])
-@pytest.mark.parametrize("policy", MIXED)
+# Each way of building under one policy, the policies taken in turn: the
+# output layer is found the same way under both (only the loss scaling
+# differs), so both ways and both policies still train, at half the cost.
+@pytest.mark.parametrize(
+    "policy, build_first",
+    [("mixed_float16", False), ("mixed_bfloat16", True)],
+    ids=["mixed_float16-unbuilt", "mixed_bfloat16-built"],
+)
 def test_a_compute_loss_override_trains_like_float32(policy, build_first):
     reference = regressor_float32_logs(build_first)
     model, logs = train_regressor(policy, build_first)
