@@ -1,0 +1,212 @@
+"""Peak training memory: plain Keras against kmp, every policy, each row in a
+fresh process.
+
+Two models, random weights and data:
+
+  resnet50     keras.applications.ResNet50(weights=None), 128x128x3 images,
+               1000 classes, batch 32
+  transformer  4 pre-LN blocks (d 256, 8 heads, feed-forward 1024), sequence
+               256, vocabulary 8000, next-token softmax kept in float32 (as
+               Keras's mixed-precision guide writes it), batch 16
+
+Each trained with Adam by `fit`, one way per process:
+
+  keras        `keras.mixed_precision.set_global_policy(policy)` and
+               `model.compile` (Keras wraps float16 in its own
+               LossScaleOptimizer)
+  kmp          `kmp.set_policy(policy)` and `kmp.compile` (the default:
+               skip guard, fused update where kmp's rule fuses)
+  kmp-unfused  the same with `fused_update=False`
+
+Per row: the resident memory of the process once the model is compiled and
+the data made (`VmRSS` before the first step: TensorFlow's runtime, the
+weights, the data), its peak over training (`VmHWM`), and the rise (peak
+minus that base: what training itself holds at its peak: gradients,
+optimizer slots, what is saved for the backward pass, copies), with the
+median step time. Linux only (reads /proc/self/status).
+
+Run: python benchmarks/memory.py [--models resnet50 transformer]
+         [--policies float32 mixed_bfloat16 mixed_float16]
+         [--ways keras kmp kmp-unfused] [--steps 4]
+     (one row: --row resnet50 float32 kmp --json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = ("resnet50", "transformer")
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+WAYS = ("keras", "kmp", "kmp-unfused")
+BATCH = {"resnet50": 32, "transformer": 16}
+IMAGE, CLASSES = 128, 1000
+SEQUENCE, VOCAB, WIDTH, HEADS, BLOCKS = 256, 8000, 256, 8, 4
+
+
+def status_mib(field: str) -> float:
+    """A `VmRSS`/`VmHWM`-style field of /proc/self/status, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only).")
+
+
+def build(name: str):
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    batch = BATCH[name]
+    if name == "resnet50":
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=(IMAGE, IMAGE, 3), classes=CLASSES
+        )
+        x = rng.random((batch, IMAGE, IMAGE, 3), "float32")
+        y = rng.integers(0, CLASSES, batch)
+        return model, x, y
+    layers = keras.layers
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    h = layers.Embedding(VOCAB, WIDTH)(tokens)
+    for _ in range(BLOCKS):
+        a = layers.LayerNormalization()(h)
+        a = layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
+        h = h + a
+        f = layers.LayerNormalization()(h)
+        f = layers.Dense(4 * WIDTH, activation="gelu")(f)
+        h = h + layers.Dense(WIDTH)(f)
+    h = layers.LayerNormalization()(h)
+    logits = layers.Dense(VOCAB)(h)
+    outputs = layers.Activation("softmax", dtype="float32")(logits)
+    model = keras.Model(tokens, outputs)
+    x = rng.integers(0, VOCAB, (batch, SEQUENCE)).astype("int32")
+    return model, x, np.roll(x, -1, axis=1)
+
+
+def run_row(name: str, policy: str, way: str, steps: int) -> dict:
+    import keras
+    import numpy as np
+
+    import kmp
+
+    if way == "keras":
+        keras.mixed_precision.set_global_policy(policy)
+    else:
+        kmp.set_policy(policy)
+    keras.utils.set_random_seed(0)
+    model, x, y = build(name)
+    loss = "sparse_categorical_crossentropy"
+    if way == "keras":
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
+    else:
+        fused = None if way == "kmp" else False
+        kmp.compile(
+            model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
+        )
+    base = status_mib("VmRSS")
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    history = model.fit(
+        np.repeat(x, steps, axis=0),
+        np.repeat(y, steps, axis=0),
+        batch_size=BATCH[name],
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Timer()],
+    )
+    peak = status_mib("VmHWM")
+    return {
+        "model": name,
+        "policy": policy,
+        "way": way,
+        "params": model.count_params(),
+        "base_mib": round(base, 1),
+        "peak_mib": round(peak, 1),
+        "rise_mib": round(peak - base, 1),
+        # The first step traces and compiles: the median of the others.
+        "median_step_ms": round(1000 * float(np.median(times[1:] or times)), 1),
+        "final_loss": round(float(history.history["loss"][-1]), 4),
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    by = {(r["model"], r["policy"], r["way"]): r for r in rows}
+    lines = [
+        "| model | policy | way | peak MiB | rise MiB | peak / Keras's "
+        "| rise / float32's rise (same way) | median ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        keras_row = by.get((r["model"], r["policy"], "keras"))
+        float32_row = by.get((r["model"], "float32", r["way"]))
+        vs_keras = f"{r['peak_mib'] / keras_row['peak_mib']:.3f}" if keras_row else ""
+        vs_float32 = (
+            f"{r['rise_mib'] / float32_row['rise_mib']:.2f}" if float32_row else ""
+        )
+        lines.append(
+            f"| {r['model']} | {r['policy']} | {r['way']} | {r['peak_mib']:.0f} "
+            f"| {r['rise_mib']:.0f} | {vs_keras} | {vs_float32} "
+            f"| {r['median_step_ms']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES)
+    )
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--row", nargs=3, metavar=("MODEL", "POLICY", "WAY"))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.row:
+        model, policy, way = args.row
+        print(json.dumps(run_row(model, policy, way, args.steps)))
+        return
+    from _timing import cpu_model
+
+    rows = []
+    for model in args.models:
+        for policy in args.policies:
+            for way in args.ways:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--row", model, policy, way,
+                     "--steps", str(args.steps)],
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        result = {
+            "benchmark": "memory",
+            "machine": cpu_model(),
+            "cpus": os.cpu_count(),
+            "steps": args.steps,
+            "rows": rows,
+        }
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs, {args.steps} steps per row")
+    print(_table(rows))
+
+
+if __name__ == "__main__":
+    main()
