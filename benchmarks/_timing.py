@@ -1,4 +1,4 @@
-"""Interleaved timing shared by the benchmarks.
+"""Interleaved timing, and the machine readings, shared by the benchmarks.
 
 These machines are shared: an epoch's time jumps between two modes (seen
 here: 13 ms and 22 ms per step for the same model) with no change in the
@@ -34,6 +34,15 @@ def interleaved(
             runs[name]()
             times[name].append(clock() - start)
     return times
+
+
+def status_mib(field: str) -> float:
+    """A `VmRSS`/`VmHWM`-style field of /proc/self/status, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only).")
 
 
 def cpu_model() -> str:

@@ -38,7 +38,9 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from _timing import cpu_model
+from _timing import status_mib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -48,15 +50,6 @@ WAYS = ("keras", "kmp", "kmp-unfused")
 BATCH = {"resnet50": 32, "transformer": 16}
 IMAGE, CLASSES = 128, 1000
 SEQUENCE, VOCAB, WIDTH, HEADS, BLOCKS = 256, 8000, 256, 8, 4
-
-
-def status_mib(field: str) -> float:
-    """A `VmRSS`/`VmHWM`-style field of /proc/self/status, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"/proc/self/status has no {field} (Linux only).")
 
 
 def build(name: str):
@@ -95,6 +88,7 @@ def run_row(name: str, policy: str, way: str, steps: int) -> dict:
     import numpy as np
 
     import kmp
+    from kmp.tools import runs
 
     if way == "keras":
         keras.mixed_precision.set_global_policy(policy)
@@ -111,15 +105,7 @@ def run_row(name: str, policy: str, way: str, steps: int) -> dict:
             model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
         )
     base = status_mib("VmRSS")
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
+    times: list[float] = []
     history = model.fit(
         np.repeat(x, steps, axis=0),
         np.repeat(y, steps, axis=0),
@@ -127,7 +113,7 @@ def run_row(name: str, policy: str, way: str, steps: int) -> dict:
         epochs=1,
         shuffle=False,
         verbose=0,
-        callbacks=[Timer()],
+        callbacks=[runs.step_timer(times)],
     )
     peak = status_mib("VmHWM")
     return {
@@ -181,8 +167,6 @@ def main():
         model, policy, way = args.row
         print(json.dumps(run_row(model, policy, way, args.steps)))
         return
-    from _timing import cpu_model
-
     rows = []
     for model in args.models:
         for policy in args.policies:

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 from _timing import cpu_model
 from _timing import interleaved
+from _timing import status_mib
 from _timing import summary
 from keras import layers
 from keras import ops
@@ -126,20 +127,12 @@ def data(model_name, steps, batch):
     return x, rs.randint(0, 10, len(x))
 
 
-def rss_mb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def memory(variant, model_name, args):
     model = build(variant, model_name, args.width)
     arrays = data(model_name, args.steps, args.batch_size)
-    before = rss_mb("VmRSS")
+    before = status_mib("VmRSS")
     history = model.fit(*arrays, batch_size=args.batch_size, epochs=2, verbose=0)
-    peak = rss_mb("VmHWM")
+    peak = status_mib("VmHWM")
     print(
         json.dumps(
             {
