@@ -26,8 +26,11 @@ The recipe's learning rate, 2e-5, is for 7B models; this model is a
 thousand times narrower and trains a few hundred steps, so the example uses
 2e-3 (`--learning-rate` sets it).
 
+`--optimizer-state bfloat16` keeps AdamW's moments in bfloat16
+(`kmp.optimizers.AdamW`): half the optimizer memory.
+
 Run: python examples/qlora.py [--policies auto mixed_float16] [--steps 120]
-     [--modes int4 int8]
+     [--modes int4 int8] [--optimizer-state float32|bfloat16]
 """
 
 import argparse
@@ -117,7 +120,9 @@ def parameters(model) -> tuple[int, int, int]:
     return trainable, total, size
 
 
-def finetune(weights, policy, mode, steps, learning_rate, rng) -> dict:
+def finetune(
+    weights, policy, mode, steps, learning_rate, rng, state_dtype="float32"
+) -> dict:
     kmp.set_policy(policy)
     resolved = kmp.get_policy().name
     lm = make_lm()
@@ -135,11 +140,16 @@ def finetune(weights, policy, mode, steps, learning_rate, rng) -> dict:
     for site in kmp.precision.traversal.walk(lm):
         if getattr(site.layer, "lora_enabled", False):
             site.layer.lora_alpha = 32  # the product is scaled by alpha / rank
+    adamw = dict(weight_decay=0.01, gradient_accumulation_steps=4)
+    optimizer = (
+        keras.optimizers.AdamW(learning_rate, **adamw)
+        if state_dtype == "float32"
+        # The moments in bfloat16, stochastically rounded: half the memory.
+        else kmp.optimizers.AdamW(learning_rate, state_dtype=state_dtype, **adamw)
+    )
     kmp.compile(
         lm,
-        optimizer=keras.optimizers.AdamW(
-            learning_rate, weight_decay=0.01, gradient_accumulation_steps=4
-        ),
+        optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     trainable, total, size = parameters(lm)
@@ -163,6 +173,10 @@ def finetune(weights, policy, mode, steps, learning_rate, rng) -> dict:
         "skipped": int(lm.optimizer.skipped_steps_total),
         "before": before,
         "after": after,
+        "optimizer_bytes": sum(
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            for v in lm.optimizer.inner_optimizer.variables
+        ),
     }
 
 
@@ -177,6 +191,13 @@ def main():
         default=["int4", "int8"],
         help="base quantizations to fine-tune (int8 only under bfloat16)",
     )
+    parser.add_argument(
+        "--optimizer-state",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="AdamW's moments: Keras's float32, or kmp.optimizers.AdamW's "
+        "bfloat16 (stochastic rounding, half the memory)",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     weights = pretrain(args.steps, rng)
@@ -184,13 +205,18 @@ def main():
         kmp.set_policy(policy)
         bfloat16 = kmp.get_policy().compute_dtype == "bfloat16"
         for mode in [m for m in args.modes if m != "int8" or bfloat16]:
-            r = finetune(weights, policy, mode, args.steps, args.learning_rate, rng)
+            r = finetune(
+                weights, policy, mode, args.steps, args.learning_rate, rng,
+                args.optimizer_state,
+            )  # fmt: skip
             print(
                 f"\n{policy} ({r['policy']}), {mode} base + LoRA rank 8 / alpha 32:"
                 f"\n  parameters: {r['trainable']:,} trainable of {r['total']:,}"
                 f"\n  weights: {r['bytes']:,} bytes ({r['float_bytes']:,} in "
                 f"float32 before quantizing)"
                 f"\n  loss per epoch: {', '.join(f'{v:.3f}' for v in r['losses'])}"
+                f"\n  optimizer state: {r['optimizer_bytes']:,} bytes "
+                f"({args.optimizer_state} moments)"
                 f"\n  loss scale: {r['loss_scale'] if r['loss_scale'] else 'none'}"
                 f"; skipped steps: {r['skipped']}"
                 f"\n  instruction task accuracy: {r['before']:.3f} before, "

@@ -12,6 +12,7 @@ from kmp import distribute
 from kmp import fused
 from kmp import hardware
 from kmp import mixed_precision
+from kmp import optimizers
 from kmp import quantization
 from kmp import rules
 from kmp import telemetry
@@ -66,6 +67,7 @@ __all__ = [
     "layer_rules",
     "list_policies",
     "mixed_precision",
+    "optimizers",
     "policy_scope",
     "precision_report",
     "prepare",

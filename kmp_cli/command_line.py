@@ -114,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop a plain-Keras run after this long (0: no limit): its float16 "
         "takes minutes per step on some CPUs",
     )
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="instead of timing one batch size: find, per policy, the largest "
+        "batch that trains within SIZE of peak memory (e.g. 4G, 512M; the "
+        "process's resident memory, TensorFlow's runtime included, or the "
+        "GPU's where there is one), by training each size tried for 2 steps "
+        "in a fresh process, from --batch-size",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1 << 16,
+        help="the largest batch size --memory-budget tries",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG")
     p = sub.add_parser(

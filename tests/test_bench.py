@@ -221,3 +221,100 @@ def test_a_ratio_against_a_stopped_plain_keras_run_is_marked_as_a_bound(
     assert ">=300.00" in out
     assert "15000.0 (stopped early)" in out
     assert "stopped early: the run reached --keras-budget (120 s)" in out
+
+
+def linear_memory(base_mb=100.0, per_sample_mb=3.0):
+    """A stand-in for the runs: peak grows linearly with the batch."""
+    tried = []
+
+    def measure(batch):
+        tried.append(batch)
+        return base_mb + per_sample_mb * batch, 10.0 + batch
+
+    return measure, tried
+
+
+@pytest.mark.parametrize(
+    "budget, start, expected",
+    [
+        (400, 64, 96),  # 96 -> 388 MB fits, 104 -> 412 does not
+        (400, 8, 96),  # the same boundary, found upward from 8
+        (130, 64, 8),  # downward: halving from 64
+        (104, 64, 1),  # below BATCH_STEP every size counts
+        (50, 64, None),  # not even a batch of 1
+    ],
+)
+def test_the_largest_batch_within_a_budget_is_found(budget, start, expected):
+    measure, tried = linear_memory()
+    fit = bench.largest_batch("mlp", "float32", budget, start=start, measure=measure)
+    assert fit.batch_size == expected
+    assert [batch for batch, _ in fit.probes] == tried
+    if expected is None:
+        assert fit.peak_mb is None and tried[-1] == 1
+        return
+    assert fit.peak_mb == 100 + 3 * expected <= budget
+    assert fit.median_step_ms == 10 + expected
+    # The next size up was tried and did not fit: the answer is the largest.
+    step = bench.BATCH_STEP if expected >= bench.BATCH_STEP else 1
+    assert (expected + step, 100 + 3 * (expected + step)) in fit.probes
+    assert 100 + 3 * (expected + step) > budget
+
+
+def test_the_batch_search_stops_at_max_batch():
+    measure, tried = linear_memory()
+    fit = bench.largest_batch(
+        "mlp", "float32", 10**6, start=64, max_batch=300, measure=measure
+    )
+    assert (fit.batch_size, tried) == (300, [64, 128, 256, 300])
+
+
+def test_a_run_out_of_memory_does_not_fit_and_other_failures_are_raised():
+    def measure(batch):
+        if batch > 32:
+            raise _runs.RunFailed("killed", -9, "")
+        return 100.0, 5.0
+
+    fit = bench.largest_batch("mlp", "float32", 1000, start=16, measure=measure)
+    assert fit.batch_size == 32 and (64, None) in fit.probes
+
+    def tensorflow_oom(batch):
+        raise _runs.RunFailed("failed", 1, "tensorflow...ResourceExhaustedError: OOM")
+
+    fit = bench.largest_batch("mlp", "float32", 1000, start=4, measure=tensorflow_oom)
+    assert fit.batch_size is None
+
+    def broken(batch):
+        raise _runs.RunFailed("failed", 1, "ValueError: a bug in the model")
+
+    with pytest.raises(_runs.RunFailed, match="failed"):
+        bench.largest_batch("mlp", "float32", 1000, measure=broken)
+
+
+@pytest.mark.parametrize("text", ["4", "G", "-1G", "0M", "four gigs", "4X"])
+def test_a_memory_budget_without_a_size_and_unit_is_refused(text):
+    with pytest.raises(ValueError, match="positive size with a unit"):
+        bench.parse_memory(text)
+
+
+def test_memory_sizes_are_read_in_mib():
+    sizes = ["1.5GiB", "800MB", "2T", "512k"]
+    assert [bench.parse_memory(t) for t in sizes] == [1536.0, 800.0, 2 * 1024.0**2, 0.5]
+
+
+def test_bench_cli_finds_the_largest_batch_per_policy(capsys, runs_in_this_process):
+    code = kmp_cli.main(
+        [
+            "bench", "--model", "mlp", "--policies", "float32,mixed_bfloat16",
+            "--memory-budget", "1T", "--batch-size", "4", "--max-batch", "8",
+            "--json",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert [f["policy"] for f in fits] == ["float32", "mixed_bfloat16"]
+    for f in fits:
+        assert f["batch_size"] == 8 and [p[0] for p in f["probes"]] == [4, 8]
+        assert 0 < f["peak_mb"] <= f["budget_mb"] == 1024.0**2
+        assert f["median_step_ms"] > 0
+    assert kmp_cli.main(["bench", "--memory-budget", "lots"]) != 0
+    assert "positive size with a unit" in capsys.readouterr().err

@@ -58,11 +58,17 @@ OPTIMIZERS = {
     "Ftrl": lambda: keras.optimizers.Ftrl(1e-2, l1_regularization_strength=1e-3),
     "Lamb": lambda: keras.optimizers.Lamb(1e-3),
     "Lion": lambda: keras.optimizers.Lion(1e-4, global_clipnorm=1.0),
+    # kmp's own, with bfloat16 moments (each draw of stochastic rounding is
+    # the same fused as unfused).
+    "kmp.Adam+amsgrad": lambda: kmp.optimizers.Adam(1e-3, amsgrad=True),
+    "kmp.AdamW+nearest": lambda: kmp.optimizers.AdamW(1e-3, rounding="nearest"),
 }
 
 
 def test_every_class_fused_by_default_is_checked_here():
-    assert {type(make()) for make in OPTIMIZERS.values()} == set(fused.TESTED)
+    classes = {type(make()) for make in OPTIMIZERS.values()}
+    assert classes == set(fused.TESTED) | {kmp.optimizers.Adam, kmp.optimizers.AdamW}
+    assert all(fused.is_tested(cls()) for cls in classes)
 
 
 def train(make_optimizer, fused_update, steps=4):
@@ -483,3 +489,81 @@ def test_a_variable_of_unknown_shape_is_updated_unfused_by_default(monkeypatch):
     opt.apply([tf.ones((2, 4))], [variable])
     np.testing.assert_allclose(variable.numpy(), np.full((2, 4), 0.5))
     assert not opt._fused_apply._functions
+
+
+def test_the_update_compiled_ahead_changes_nothing_and_is_the_one_steps_run():
+    kmp.set_policy("mixed_bfloat16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), fused_update=True)
+    kmp.compile(model, optimizer=opt, loss="mse")
+    before = [v.numpy() for v in model.weights]
+    assert opt.compile_update_ahead(model.trainable_variables)
+    assert opt.built and int(opt.iterations) == 0
+    for b, v in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(v.numpy(), b)
+    built = keras.optimizers.Adam(1e-3)  # as build alone leaves them
+    built.build(model.trainable_variables)
+    for a, b in zip(opt.inner_optimizer.variables, built.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert not opt.compile_update_ahead(model.trainable_variables)  # once
+    (function,) = opt._fused_apply._functions.values()
+    model.train_on_batch(*data(16))
+    assert int(opt.iterations) == 1
+    assert not np.allclose(model.weights[0].numpy(), before[0])
+    # The train step ran the program compiled ahead: no second trace.
+    assert function.experimental_get_tracing_count() == 1
+    # Nothing to compile where the update is not fused.
+    plain = kmp.LossScaleOptimizer(keras.optimizers.Adam(), fused_update=False)
+    assert not plain.compile_update_ahead(mlp().trainable_variables)
+    assert not plain.built
+
+
+class OwnStep(keras.Model):
+    """Trains only its last layer, with a train_step of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.Dense(32, activation="relu")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        variables = self.head.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables, scaled=False)
+        return {"loss": loss}
+
+
+def test_fit_compiles_the_update_ahead_for_keras_own_train_step_only(monkeypatch):
+    calls = []
+    original = fused.FusedApply.compile_ahead
+
+    def spy(self, variables):
+        calls.append((list(variables), int(self._optimizer.iterations)))
+        return original(self, variables)
+
+    monkeypatch.setattr(fused.FusedApply, "compile_ahead", spy)
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp(), optimizer="adam", loss="mse", fused_update=True)
+    model.fit(*data(32), batch_size=16, epochs=2, verbose=0)
+    ((variables, iterations),) = calls  # once, before the first step
+    assert iterations == 0
+    assert [id(v) for v in variables] == [id(v) for v in model.trainable_variables]
+    (function,) = model.optimizer._fused_apply._functions.values()
+    assert function.experimental_get_tracing_count() == 1
+
+    # A train_step of the model's own may apply other variables: nothing is
+    # compiled ahead, and the one update compiled is the one it applies.
+    calls.clear()
+    own = OwnStep()
+    own(np.zeros((1, 6), "float32"))  # built
+    kmp.compile(own, optimizer="adam", fused_update=True)
+    own.fit(*data(32), batch_size=16, verbose=0)
+    assert not calls
+    assert list(own.optimizer._fused_apply._functions) == [
+        tuple(id(v) for v in own.head.trainable_variables)
+    ]

@@ -20,7 +20,8 @@ training step with XLA, update included, when every layer supports it,
 while on a CPU-only machine it turns XLA off.
 
 Fusing pays only when the update is large: an XLA program costs a fixed
-~0.1-0.5 ms per call and a compilation of ~0.2-1.5 s at the first step, and
+~0.1-0.5 ms per call and one compilation before the first step (under a
+second for a few variables, several seconds for a model with hundreds), and
 saves time in proportion to the weights it updates. Measured for Adam
 inside kmp's optimizer on a CPU: slower below ~100 K float32 weights,
 0.1-0.6 ms faster at 300 K, up to 2.4x faster from 1 M (less when the
@@ -52,6 +53,14 @@ for small updates. `kmp.compile` wraps every optimizer (to skip non-finite
 steps) with this default, under every policy: float32 models keep float32
 weights too, and kmp's skip costs Keras's unfused update a few percent that
 fusing more than wins back. `kmp doctor` states this rule.
+
+Memory: the program updates the variables in place (XLA reuses their
+buffers), so the fused update holds fewer tensors than Keras's unfused one,
+which makes a temporary per elementwise pass. What it costs is the memory
+of XLA's compiler, which the process keeps; `fit` therefore compiles the
+program before the first step (`FusedApply.compile_ahead`), when that
+memory can be reused by the step, not beside the step's activations.
+The source tree's benchmarks measure both kinds of memory.
 """
 
 from __future__ import annotations
@@ -115,7 +124,9 @@ def is_tested(optimizer: Any) -> bool:
     """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    return type(optimizer) in TESTED
+    cls = type(optimizer)
+    # kmp's own optimizers (kmp.optimizers) say so on their class itself.
+    return cls in TESTED or bool(vars(cls).get("_kmp_fused_tested", False))
 
 
 def weights_of(variables: Any) -> int | None:
@@ -197,27 +208,57 @@ class FusedApply:
     a custom loop may train several). The optimizer must be built first:
     XLA programs cannot create variables. Sparse gradients are made dense
     first, so that the program's input shapes are the variables' shapes
-    and it is compiled once, whatever the batch.
+    and it is compiled once, whatever the batch. The program takes a
+    boolean `run` beside the gradients: with `run` False it leaves every
+    variable as it is, so that it can be compiled before training
+    (`compile_ahead`).
     """
 
     def __init__(self, optimizer: Any):
         self._optimizer = optimizer
         self._functions: dict[tuple[int, ...] | None, Any] = {}
 
-    def __call__(self, grads: list, variables: list | None) -> None:
+    def __call__(self, grads: list, variables: list | None, run: Any = True) -> None:
+        function = self._function(variables)
+        shapes = [None] * len(grads) if variables is None else variables
+        function(
+            [_dense_gradient(g, v) for g, v in zip(grads, shapes, strict=True)],
+            tf.convert_to_tensor(run, tf.bool),
+        )
+
+    def compile_ahead(self, variables: list) -> bool:
+        """Compiles the update of `variables` now, changing nothing: the
+        program runs once with zero gradients and its `run` flag off.
+        Returns whether it compiled (False where it was compiled already).
+
+        Compiled inside the first training step instead, XLA's compiler
+        works beside that step's activations, and the process keeps much of
+        the memory it used there for the rest of training; compiled before
+        it, that memory is reused by the step (the source tree's benchmarks
+        measure both). Eager only.
+        """
+        key = tuple(id(v) for v in variables)
+        if key in self._functions:
+            return False
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        self(zeros, variables, run=False)
+        return True
+
+    def _function(self, variables: list | None) -> Any:
         key = None if variables is None else tuple(id(v) for v in variables)
         function = self._functions.get(key)
         if function is None:
             optimizer = self._optimizer
 
-            def update(grads):
-                optimizer.apply(grads, variables)
+            def update(grads, run):
+                # `run` False leaves every variable as it is: the program
+                # can be compiled ahead of training (`compile_ahead`).
+                tf.cond(run, lambda: optimizer.apply(grads, variables), lambda: None)
 
             # The closure keeps `variables` alive, so their ids stay theirs.
             function = tf.function(update, jit_compile=True, reduce_retracing=True)
             self._functions[key] = function
-        shapes = [None] * len(grads) if variables is None else variables
-        function([_dense_gradient(g, v) for g, v in zip(grads, shapes, strict=True)])
+        return function
 
 
 def _dense_gradient(gradient: Any, variable: Any = None) -> Any:

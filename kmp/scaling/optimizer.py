@@ -507,6 +507,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._warned.add(key)
         _warn.warn(message)
 
+    def compile_update_ahead(self, trainable_variables: Any) -> bool:
+        """Compiles the fused update of `trainable_variables` now, before
+        the first step that applies it, where this optimizer fuses that
+        update (`fused_update`); it builds the optimizer for them first if
+        it is not built (as the first `apply` would), and updates nothing.
+        Returns whether it compiled. `fit` calls it for Keras's own
+        `train_step` (see `kmp.fused.FusedApply.compile_ahead`); a custom
+        loop may call it, eagerly, with the variables it applies.
+        """
+        variables = list(trainable_variables)
+        if not (
+            variables
+            and tf.executing_eagerly()
+            and fused.resolve(self.fused_update, self.inner_optimizer, variables)
+        ):
+            return False
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
+        return self._fused_apply.compile_ahead(variables)
+
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""
         if fused.resolve(self.fused_update, self.inner_optimizer, variables):

@@ -41,6 +41,9 @@ class BenchResult:
     # Whether a run was stopped at its time budget (its figure is then from
     # fewer steps, possibly from before the warm-up ended).
     stopped_early: bool = False
+    # The peak of live tensors (`kmp.tools.runs.tensors_peak_mb`): memory
+    # above the runtime's own. None where TensorFlow keeps no count.
+    peak_tensors_mb: float | None = None
 
 
 def build_model(name: str, seed: int = 0):
@@ -233,6 +236,7 @@ def run_one(
         "step_ms": [1000 * t for t in timed],
         "peak_host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_mb": gpu_peak,
+        "peak_tensors_mb": _runs.tensors_peak_mb(),
         "final_loss": float(history.history["loss"][-1]),
         # None: Keras's own loss-scale wrapper keeps no count of skips.
         "skipped_steps": skipped,
@@ -375,9 +379,161 @@ def run(
                     else round(median_of(f"keras:{name}") / median, 3)
                 ),
                 stopped_early=any(r.get("stopped_early") for r in name_runs),
+                peak_tensors_mb=_max_or_none(
+                    r.get("peak_tensors_mb") for r in name_runs
+                ),
             )
         )
     return results
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFit:
+    """The largest batch size of one policy that trained within a budget."""
+
+    policy: str
+    budget_mb: float
+    batch_size: int | None  # None: not even a batch of 1 fitted
+    peak_mb: float | None  # that batch's measured peak
+    median_step_ms: float | None  # and its step time
+    # Every batch size tried, in order, with its peak (None: it ran out of
+    # memory in its process).
+    probes: tuple[tuple[int, float | None], ...]
+
+
+# Batch sizes the search tries are multiples of this (below it, any size).
+BATCH_STEP = 8
+
+
+def parse_memory(text: str) -> float:
+    """A memory size such as `'4G'`, `'512M'`, `'1.5GiB'` or `'800MB'`, in
+    MiB (K, M, G and T are powers of 1024, with or without `iB`/`B`).
+
+    Example:
+
+    >>> kmp.tools.bench.parse_memory("4G"), kmp.tools.bench.parse_memory("512M")
+    (4096.0, 512.0)
+    """
+    units = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        size = float(value[:-1]) * units[value[-1]] if value else -1.0
+    except (KeyError, ValueError):
+        size = -1.0
+    if not size > 0:
+        raise ValueError(
+            f"A memory budget must be a positive size with a unit, such as "
+            f"'4G', '512M' or '1.5GiB'. Received: {text!r}."
+        )
+    return size
+
+
+def largest_batch(
+    model: str,
+    policy: str,
+    budget_mb: float,
+    start: int = 64,
+    max_batch: int = 1 << 16,
+    steps: int = 2,
+    seed: int = 0,
+    timeout: float = 900,
+    progress: Callable[[str], None] | None = None,
+    imports: Sequence[str] = (),
+    measure: Callable[[int], tuple[float, float]] | None = None,
+) -> BatchFit:
+    """The largest batch size with which `model` trains under `policy` with
+    a peak memory within `budget_mb`, found by measurement: each batch size
+    tried trains `steps` steps (after the warm-up) in a fresh process.
+
+    The peak is the process's resident memory (`ru_maxrss`: TensorFlow's
+    runtime included, as the machine's memory limit counts it), or the
+    GPU's peak where there is a GPU. From `start`, the batch doubles while
+    it fits (halves while it does not), then a bisection over multiples of
+    `BATCH_STEP` finds the boundary. A run that dies out of memory (killed,
+    or TensorFlow's `ResourceExhaustedError`) does not fit; any other
+    failure is raised.
+
+    Args:
+        model, policy, steps, seed, timeout, imports: As for `run`.
+        budget_mb: The budget in MiB (`parse_memory` reads `'4G'`).
+        start: The first batch size tried.
+        max_batch: The largest batch size tried.
+        progress: Called with a line of text before each run.
+        measure: `batch -> (peak MiB, median ms/step)` in place of the runs
+            (for tests).
+    """
+    if not budget_mb > 0:
+        raise ValueError(f"budget_mb must be positive. Received: {budget_mb}.")
+    for name, value in (("start", start), ("max_batch", max_batch), ("steps", steps)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1. Received: {name}={value}.")
+    if measure is None:
+
+        def measure(batch):
+            result = _runs.in_fresh_process(
+                "kmp.tools.bench:run_one",
+                [model, policy, steps, batch, seed, False, None, list(imports)],
+                timeout,
+                what=f"{policy} at batch {batch}",
+                show_output=False,
+            )
+            peak = result["peak_gpu_mb"] or result["peak_host_rss_mb"]
+            return peak, statistics.median(result["step_ms"])
+
+    probes: list[tuple[int, float | None]] = []
+    fits: dict[int, tuple[float, float]] = {}
+
+    def fit(batch):
+        if progress:
+            progress(f"{model} under {policy} at batch {batch}")
+        try:
+            peak, ms = measure(batch)
+        except _runs.RunFailed as e:
+            if not e.out_of_memory:
+                raise
+            probes.append((batch, None))
+            return False
+        probes.append((batch, round(peak, 1)))
+        if peak <= budget_mb:
+            fits[batch] = (peak, ms)
+            return True
+        return False
+
+    batch = min(start, max_batch)
+    if fit(batch):
+        low, high = batch, None
+        while high is None and low < max_batch:
+            batch = min(2 * low, max_batch)
+            if fit(batch):
+                low = batch
+            else:
+                high = batch
+    else:
+        low, high = None, batch
+        while low is None and high > 1:
+            batch = high // 2
+            if fit(batch):
+                low = batch
+            else:
+                high = batch
+    if low is None:
+        return BatchFit(policy, budget_mb, None, None, None, tuple(probes))
+    step = BATCH_STEP if low >= BATCH_STEP else 1
+    while high is not None and high - low > step:
+        batch = (low + high) // 2 // step * step
+        if batch <= low:
+            break
+        if fit(batch):
+            low = batch
+        else:
+            high = batch
+    peak, ms = fits[low]
+    return BatchFit(policy, budget_mb, low, round(peak, 1), round(ms, 2), tuple(probes))
+
+
+def _max_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(max(values), 1) if values else None
 
 
 def plot(results: Sequence[BenchResult], path: str, title: str = "") -> None:

@@ -8,6 +8,8 @@ parsed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from kmp._base.table import format_table
@@ -79,6 +81,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kmp.tools import bench
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.memory_budget:
+        return _largest_batches(args, policies)
     results = bench.run(
         model=args.model,
         policies=policies,
@@ -97,7 +101,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     gpu = any(r.peak_gpu_mb is not None for r in results)
     header = ["policy", "ms/step", "speed-up", "samples/s", "peak RSS MB"]
-    header += ["peak GPU MB"] if gpu else []
+    header += ["peak GPU MB"] if gpu else ["tensors MB"]
     header += ["loss (mean)", "skipped"]
     compared = any(r.kmp_vs_keras is not None for r in results)
     by_policy = {r.policy: r for r in results}
@@ -111,7 +115,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"{r.samples_per_s:.0f}",
             f"{r.peak_host_rss_mb:.0f}",
         ]
-        row += [f"{r.peak_gpu_mb:.0f}"] if gpu else []
+        row += [f"{r.peak_gpu_mb:.0f}"] if gpu else [_mb(r.peak_tensors_mb)]
         skipped = "-" if r.skipped_steps is None else str(r.skipped_steps)
         row += [f"{r.final_loss:.4f}", skipped]
         if compared:
@@ -140,6 +144,58 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.plot:
         print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _largest_batches(args: argparse.Namespace, policies: list[str]) -> int:
+    """`kmp bench --memory-budget`: the largest batch per policy."""
+    from kmp.precision import policy as policy_lib
+    from kmp.tools import bench
+
+    budget = bench.parse_memory(args.memory_budget)
+    for name in policies:
+        policy_lib.get(name)  # raises with the valid names, before any run
+    fits = [
+        bench.largest_batch(
+            args.model,
+            name,
+            budget,
+            start=args.batch_size,
+            max_batch=args.max_batch,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            imports=args.imports,
+        )
+        for name in policies
+    ]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(fit) for fit in fits], indent=2))
+        return 0
+    header = ["policy", "largest batch", "peak MB", "ms/step", "samples/s"]
+    rows = []
+    for fit in fits:
+        if fit.batch_size is None:
+            rows.append([fit.policy, "none fits", "-", "-", "-"])
+            continue
+        at_max = " (--max-batch)" if fit.batch_size == args.max_batch else ""
+        rows.append(
+            [
+                fit.policy,
+                f"{fit.batch_size}{at_max}",
+                f"{fit.peak_mb:.0f}",
+                f"{fit.median_step_ms:.1f}",
+                f"{1000 * fit.batch_size / fit.median_step_ms:.0f}",
+            ]
+        )
+    print(
+        f"kmp bench: {args.model}, the largest batch within {args.memory_budget} "
+        f"({budget:.0f} MB) of peak memory, per policy (batch sizes tried: "
+        f"multiples of {bench.BATCH_STEP}, 2 steps each)\n"
+    )
+    print(format_table(header, rows))
     return 0
 
 
@@ -193,6 +249,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"{r.median_step_ms:.2f}",
                 f"{base.median_step_ms / r.median_step_ms:.2f}x",
                 f"{r.peak_host_rss_mb:.0f}",
+                _mb(r.peak_tensors_mb),
                 f"{100 * r.val_accuracy:.1f}%",
                 scale,
                 str(r.skipped_steps),
@@ -209,6 +266,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 "ms/step",
                 "speed-up",
                 "peak RSS MB",
+                "tensors MB",
                 "val accuracy",
                 "loss scale",
                 "skipped",

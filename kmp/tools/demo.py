@@ -42,6 +42,9 @@ class DemoRun:
     train_loss: tuple[float, ...]  # per epoch
     val_loss: tuple[float, ...]  # per epoch
     loss_scale: tuple[float, ...]  # per step (empty without loss scaling)
+    # The peak of live tensors (`kmp.tools.runs.tensors_peak_mb`): memory
+    # above the runtime's own.
+    peak_tensors_mb: float | None = None
 
 
 def load_digits_split(seed: int = SEED):
@@ -156,6 +159,7 @@ def train_one(model_name: str, policy: str, epochs: int) -> dict:
         "train_loss": [float(v) for v in h["loss"]],
         "val_loss": [float(v) for v in h["val_loss"]],
         "loss_scale": scales if scaled else [],
+        "peak_tensors_mb": _runs.tensors_peak_mb(),
     }
 
 

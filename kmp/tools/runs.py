@@ -42,7 +42,7 @@ def in_fresh_process(
     otherwise it is kept for the error message.
 
     Raises:
-        RuntimeError: if the child fails, naming `what`.
+        RunFailed: if the child fails, naming `what` (a `RuntimeError`).
         subprocess.TimeoutExpired: if it runs past `timeout` (it is killed).
     """
     module, name = function.split(":")
@@ -59,8 +59,44 @@ def in_fresh_process(
     )
     if result.returncode != 0:
         detail = "see its output above" if show_output else result.stderr[-2000:]
-        raise RuntimeError(f"The {what} run failed in its process:\n{detail}")
+        raise RunFailed(
+            f"The {what} run failed in its process:\n{detail}",
+            result.returncode,
+            result.stderr or "",
+        )
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def tensors_peak_mb() -> float | None:
+    """The peak of TensorFlow's live tensors in this process so far, in MiB:
+    on the first GPU where there is one, else in host memory (weights,
+    optimizer state, gradients, activations, input batches; not the
+    runtime's own code and caches). None where TensorFlow keeps no count."""
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    try:
+        return tf.config.experimental.get_memory_info(device)["peak"] / 2**20
+    except (ValueError, RuntimeError):
+        return None
+
+
+class RunFailed(RuntimeError):
+    """A run in a fresh process failed: its exit status (negative: the
+    signal that killed it) and what it wrote to stderr (where kept)."""
+
+    def __init__(self, message: str, returncode: int, stderr: str):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
+
+    @property
+    def out_of_memory(self) -> bool:
+        """Whether it ran out of memory: killed by SIGKILL (the kernel's
+        out-of-memory killer), or TensorFlow's or Python's own error."""
+        return self.returncode == -9 or any(
+            name in self.stderr for name in ("ResourceExhaustedError", "MemoryError")
+        )
 
 
 def _child(module: str, name: str, args: str) -> None:

@@ -14,6 +14,10 @@ there is none). At its first call, inside `fit`:
   from a trace); where that cannot be done before the step (several
   inputs, `train_on_batch` first), the plan is completed after the first
   step and the step traced again if a layer changed;
+* where the model trains with Keras's own `train_step` and kmp fuses its
+  optimizer update, it compiles that update before the step
+  (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's compiler then
+  works before the step's activations exist, not beside them);
 * it has Keras make its own train function, and calls it from then on.
 
 After each call from `fit`, where the step's logs lack kmp's telemetry (a
@@ -40,6 +44,7 @@ import tensorflow as tf
 from kmp._base import warn as _warn
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 # (model, per_epoch) -> the telemetry logs read after a step; (model) ->
 # whether the per-epoch count can be reported. `kmp.telemetry` provides them.
@@ -82,6 +87,7 @@ class TrainFunction:
             if self._complete_plan and plan_apply.ready(model):
                 self._complete_plan = False
                 plan_apply.complete(model)
+            _compile_update_ahead(model)
             self._inner = self._keras_function(model)
             logs = self._first_step(model, iterator)
         else:
@@ -158,6 +164,22 @@ class TrainFunction:
         finally:
             model.train_function = self
         return inner
+
+
+def _compile_update_ahead(model: keras.Model) -> None:
+    """Compiles kmp's fused optimizer update before the first step, where
+    the model trains with Keras's own `train_step` (which applies
+    `model.trainable_variables`, the list compiled) and every layer is
+    built (so that the list is the step's). A `train_step` of the model's
+    own may apply other variables, or other optimizers, so nothing is
+    compiled ahead for it."""
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        type(model).train_step is keras.Model.train_step
+        and isinstance(optimizer, LossScaleOptimizer)
+        and plan_apply.all_built(model)
+    ):
+        optimizer.compile_update_ahead(model.trainable_variables)
 
 
 def _from_fit(iterator: Any) -> bool:
