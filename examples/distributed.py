@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import kmp  # noqa: E402
 
 kmp.set_policy("mixed_float16")
+keras.utils.set_random_seed(0)  # the same weights every run
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 print(f"replicas: {strategy.num_replicas_in_sync}")
 

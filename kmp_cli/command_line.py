@@ -65,7 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="what this machine supports and which policy to use",
         description="This machine's CPU and accelerators, their 16-bit math, "
         "the policy 'auto' picks and why, the fused-update rule, versions and "
-        "warnings.",
+        "warnings; with --model, an estimate of the memory training the model "
+        "will hold, per policy.",
+        formatter_class=_Help,
+    )
+    p.add_argument(
+        "--model",
+        metavar="FILE.keras",
+        help="estimate the memory training this saved model holds: weights, "
+        "optimizer state (its own optimizer, else Adam), and the step's tensors "
+        "(measured by two small forward and backward passes)",
+    )
+    p.add_argument(
+        "--policies",
+        help="comma-separated policies to estimate under (default: float32 and "
+        "the one 'auto' picks)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="the batch size to estimate at"
+    )
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="also print the largest batch whose estimate fits SIZE of tensors "
+        "(e.g. 4G)",
+    )
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first: the module that registers the model's own "
+        "layer classes (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser(

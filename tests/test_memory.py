@@ -64,3 +64,82 @@ def test_kmp_holds_no_more_tensors_than_keras_at_the_same_policy(policy):
         assert rise <= 1.02 * keras_rise + MIB, (way, rise / MIB, keras_rise / MIB)
     # The measure sees the gradients (the first layer's alone are 16 MiB).
     assert keras_rise > 16 * MIB
+
+
+def fit_rise_mb(model, x, y, batch_size, loss):
+    """The peak of live tensors over one epoch of `fit` above those live
+    before it (weights, the input pipeline's data), in MiB."""
+    kmp.compile(model, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(data, verbose=0, shuffle=False)
+    return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / MIB
+
+
+@pytest.mark.parametrize(
+    "name, policy",
+    [("mlp", "float32"), ("cnn", "float32"), ("transformer", "mixed_bfloat16")],
+)
+def test_the_memory_estimate_is_within_15_percent_of_training(name, policy):
+    from kmp.tools import bench
+
+    kmp.set_policy(policy)
+    model, make = bench.build_model(name)
+    estimate = kmp.debug.estimate_memory(model, lambda n: make(n)[0])
+    assert estimate.optimizer == "Adam (the model has no optimizer)"
+    assert estimate.optimizer_mb == pytest.approx(2 * estimate.gradients_mb, rel=1e-3)
+    x, y = make(4 * 64)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    measured = fit_rise_mb(model, x, y, 64, loss)
+    # The weights were live before fit; the optimizer's state is built in it.
+    estimated = estimate.total_mb(64) - estimate.weights_mb
+    assert abs(estimated - measured) <= 0.15 * measured, (estimated, measured)
+
+
+def test_the_estimate_leaves_the_model_as_it_was():
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization()]
+    )
+    before = [v.numpy() for v in model.variables]
+    estimate = kmp.debug.estimate_memory(
+        model, lambda n: np.full((n, 8), 3.0, "float32"), optimizer="sgd"
+    )
+    for value, variable in zip(before, model.variables, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert estimate.optimizer == "SGD" and estimate.optimizer_mb < 0.001
+    assert estimate.largest_batch(estimate.total_mb(0) - 1) == 0
+
+
+def test_doctor_estimates_a_saved_models_memory_with_its_own_optimizer(
+    tmp_path, capsys
+):
+    import json
+
+    import kmp_cli
+
+    model = wide_mlp()
+    model.compile(optimizer=kmp.optimizers.AdamW(1e-3), loss="mse")
+    path = str(tmp_path / "wide.keras")
+    model.save(path)
+    argv = ["doctor", "--model", path, "--policies", "float32", "--batch-size", "64"]
+    assert kmp_cli.main([*argv, "--memory-budget", "1G", "--json"]) == 0
+    (estimate,) = json.loads(capsys.readouterr().out)["memory_estimate"].values()
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.variables) / MIB
+    assert estimate["weights_mb"] == pytest.approx(weights)
+    # kmp.optimizers.AdamW: bfloat16 moments, half of Keras's AdamW.
+    assert estimate["optimizer"] == "AdamW"
+    assert estimate["optimizer_mb"] == pytest.approx(weights, rel=1e-3)
+    total = (
+        estimate["weights_mb"] + estimate["optimizer_mb"] + estimate["step_mb"]
+        + 64 * estimate["per_sample_mb"]
+    )  # fmt: skip
+    assert estimate["total_mb"] == pytest.approx(total)
+    # 1 GiB holds far more than batch 64 (no bound: the step was not seen
+    # to grow with the batch, its activations being tiny beside its weights).
+    assert estimate["largest_batch"] is None or estimate["largest_batch"] > 64
+    assert kmp_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory estimate for" in out and "AdamW" in out
+    assert kmp_cli.main(["doctor", "--model", str(tmp_path / "none.keras")]) != 0
+    assert "existing .keras file" in capsys.readouterr().err

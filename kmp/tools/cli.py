@@ -39,7 +39,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     report = doctor()
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        data = report.to_dict()
+        if args.model:
+            data["memory_estimate"] = _memory_estimates(args)
+        print(json.dumps(data, indent=2))
         return 0
     caps = report.capabilities
     yes = {True: "yes", False: "no"}
@@ -74,7 +77,86 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print("\nwarnings:")
         for warning in report.warnings:
             print(f"  - {warning}")
+    if args.model:
+        print()
+        _memory_estimates(args)
     return 0
+
+
+def _memory_estimates(args: argparse.Namespace) -> dict:
+    """`kmp doctor --model FILE`: the memory estimate under each policy,
+    printed (as text unless --json) and returned as a dict."""
+    import importlib
+    import os
+    import warnings
+
+    import keras
+
+    import kmp
+    from kmp.backend import machine
+    from kmp.diagnostics import memory
+    from kmp.precision import policy as policy_lib
+    from kmp.tools import bench
+
+    if not (args.model.endswith(".keras") and os.path.exists(args.model)):
+        raise ValueError(
+            f"--model must be the path of an existing .keras file. Received: "
+            f"{args.model!r}."
+        )
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1. Received: {args.batch_size}.")
+    budget = bench.parse_memory(args.memory_budget) if args.memory_budget else None
+    for module in args.imports:
+        importlib.import_module(module)
+    names = (
+        [p.strip() for p in args.policies.split(",") if p.strip()]
+        if args.policies
+        else list(dict.fromkeys(["float32", machine.resolve_auto().policy]))
+    )
+    for name in names:
+        policy_lib.get(name)  # raises with the valid names, before any work
+    with warnings.catch_warnings():
+        # Only its optimizer's class and settings are read: an optimizer
+        # saved before its first step has no state to load.
+        warnings.simplefilter("ignore", UserWarning)
+        optimizer = keras.models.load_model(args.model).optimizer
+    results = {}
+    for name in names:
+        with kmp.policy_scope(name):
+            model, make = bench._load_model(args.model, seed=0)
+            estimate = memory.estimate_memory(
+                model, lambda n, make=make: make(n)[0], optimizer
+            )
+        results[name] = {
+            **dataclasses.asdict(estimate),
+            "batch_size": args.batch_size,
+            "total_mb": estimate.total_mb(args.batch_size),
+            "largest_batch": None if budget is None else estimate.largest_batch(budget),
+        }
+    if args.json:
+        return results
+    print(
+        f"memory estimate for {args.model}: the peak of live tensors while "
+        f"training at batch {args.batch_size} (TensorFlow's runtime not counted; "
+        "the step measured by two small forward and backward passes)\n"
+    )
+    header = ["policy", "weights MB", "optimizer MB", "step MB", "per sample MB"]
+    header += [f"total MB at {args.batch_size}"]
+    header += [f"largest batch in {args.memory_budget}"] if budget else []
+    rows = []
+    for name, r in results.items():
+        row = [
+            name,
+            f"{r['weights_mb']:.1f}",
+            f"{r['optimizer_mb']:.1f} ({r['optimizer']})",
+            f"{r['step_mb']:.1f}",
+            f"{r['per_sample_mb']:.2f}",
+            f"{r['total_mb']:.0f}",
+        ]
+        largest = "no bound" if r["largest_batch"] is None else str(r["largest_batch"])
+        rows.append(row + ([largest] if budget else []))
+    print(format_table(header, rows))
+    return results
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

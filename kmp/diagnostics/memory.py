@@ -1,0 +1,167 @@
+"""A pre-flight estimate of the memory training holds, before training.
+
+What a training step holds at its peak, in tensors (the peak of
+TensorFlow's live tensors: the memory above the runtime's own, the GPU's
+memory on a GPU): the weights, the optimizer's state, and the step's own
+tensors (gradients, what the forward pass saves for the backward pass,
+temporaries). The first two are counted from the variables (the
+optimizer's by building a copy of it on the model's trainable variables:
+exact for any optimizer class). The step's own grow with the batch, by an
+amount per sample no formula gives for every layer (what a layer saves for
+its gradient depends on its kernels), so they are measured: two forward
+and backward passes, at two small batch sizes, in a `tf.function` as
+`fit` runs its step; their difference gives the memory per sample, and
+the rest is what does not grow with the batch (the gradients among it).
+Input data are not counted: where they live depends on the input pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+MIB = 2**20
+# The two batch sizes the step is measured at.
+PROBE_BATCHES = (4, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The tensors a training step of a model holds at its peak, in MiB.
+
+    `total_mb(batch)` is the estimate at a batch size: weights, optimizer
+    state, the step's fixed part, and `per_sample_mb` per sample.
+    """
+
+    weights_mb: float  # every variable of the model, as stored
+    optimizer_mb: float  # the optimizer's variables, built for the model
+    optimizer: str  # the optimizer's class (Adam where none was given)
+    gradients_mb: float  # one gradient per trainable variable (in step_mb)
+    step_mb: float  # the step's tensors that do not grow with the batch
+    per_sample_mb: float  # and those that do, per sample
+
+    def total_mb(self, batch_size: int) -> float:
+        """The estimated peak of live tensors at `batch_size`."""
+        return (
+            self.weights_mb + self.optimizer_mb + self.step_mb
+            + self.per_sample_mb * batch_size
+        )  # fmt: skip
+
+    def largest_batch(self, budget_mb: float) -> int | None:
+        """The largest batch size whose estimate is within `budget_mb`: 0
+        where even the batch-independent part is not, None where the step
+        was not measured to grow with the batch (no bound)."""
+        room = budget_mb - self.total_mb(0)
+        if room < 0:
+            return 0
+        if self.per_sample_mb <= 0:
+            return None
+        return int(room // self.per_sample_mb)
+
+
+def _bytes(variables) -> int:
+    return sum(
+        int(np.prod(v.shape))
+        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+        for v in variables
+    )
+
+
+def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
+    """The bytes of the optimizer's variables for `model`'s trainable
+    variables: a copy of `optimizer` (or of `model.optimizer`, or of Adam
+    where the model has none), built and dropped."""
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if optimizer is None:
+        copy, name = keras.optimizers.Adam(), "Adam (the model has no optimizer)"
+    else:
+        copy = optimizer.__class__.from_config(optimizer.get_config())
+        inner = getattr(copy, "inner_optimizer", copy)
+        name = type(inner).__name__
+    copy.build(model.trainable_variables)
+    return _bytes(copy.variables), name
+
+
+def _step_peak(model: keras.Model, batch: Any) -> int:
+    """The peak of live tensors above those live before, over one forward
+    and backward pass on `batch`."""
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            outputs = model(x, training=True)
+            # Any scalar of the outputs: the backward pass holds the same.
+            loss = tf.add_n(
+                [
+                    tf.reduce_sum(tf.cast(o, tf.float32))
+                    for o in tf.nest.flatten(outputs)
+                ]
+            )
+        return tape.gradient(loss, variables)
+
+    step.get_concrete_function(batch)  # traced before the measurement
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    grads = step(batch)
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    del grads
+    return peak - before
+
+
+def estimate_memory(
+    model: keras.Model, make_inputs: Callable[[int], Any], optimizer: Any = None
+) -> MemoryEstimate:
+    """Estimates, before training, the tensors a training step of `model`
+    holds at its peak: weights, optimizer state, and the step's own tensors
+    measured by two forward and backward passes at small batch sizes (see
+    `kmp.diagnostics.memory`). The model's state is left as it was (the
+    moving statistics a normalization layer updates are restored).
+
+    Args:
+        model: A built Keras model, under the policy to estimate.
+        make_inputs: `n -> a batch of n inputs` (what `model` is called on).
+        optimizer: The optimizer training will use (a copy is built to count
+            its state); by default `model.optimizer`, else Adam.
+
+    Returns:
+        A `MemoryEstimate` (`total_mb(batch_size)`, `largest_batch(budget)`).
+
+    Example:
+
+    >>> model = keras.Sequential([
+    ...     keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, padding="same")])
+    >>> est = kmp.debug.estimate_memory(
+    ...     model, lambda n: np.zeros((n, 32, 32, 3), "float32"))
+    >>> est.weights_mb * 2**20, est.optimizer_mb * 2**20  # bytes
+    (3584.0, 7180.0)
+    >>> est.per_sample_mb > 0.125  # the 32 x 32 x 32 float32 output, at least
+    True
+    >>> est.total_mb(64) > est.total_mb(32)
+    True
+    """
+    state = [(v, v.numpy()) for v in model.non_trainable_variables]
+    try:
+        small, large = (_step_peak(model, make_inputs(n)) for n in PROBE_BATCHES)
+    finally:
+        for variable, value in state:
+            variable.assign(value)
+    per_sample = max(0, large - small) / (PROBE_BATCHES[1] - PROBE_BATCHES[0])
+    optimizer_bytes, optimizer_name = _optimizer_bytes(model, optimizer)
+    return MemoryEstimate(
+        weights_mb=_bytes(model.variables) / MIB,
+        optimizer_mb=optimizer_bytes / MIB,
+        optimizer=optimizer_name,
+        gradients_mb=_bytes(model.trainable_variables) / MIB,
+        step_mb=max(0.0, small - per_sample * PROBE_BATCHES[0]) / MIB,
+        per_sample_mb=per_sample / MIB,
+    )
