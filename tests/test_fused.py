@@ -556,6 +556,13 @@ def test_fit_compiles_the_update_ahead_for_keras_own_train_step_only(monkeypatch
     (function,) = model.optimizer._fused_apply._functions.values()
     assert function.experimental_get_tracing_count() == 1
 
+    # Where Keras compiles the whole step with XLA, the update is inside it.
+    whole = kmp.compile(
+        mlp(), optimizer="adam", loss="mse", fused_update=True, jit_compile=True
+    )
+    whole.fit(*data(32), batch_size=16, verbose=0)
+    assert len(calls) == 1
+
     # A train_step of the model's own may apply other variables: nothing is
     # compiled ahead, and the one update compiled is the one it applies.
     calls.clear()

@@ -89,7 +89,7 @@ def test_stochastic_rounding_keeps_a_slow_average_that_nearest_loses():
     assert abs(stochastic.mean() - exact) < 0.01 * exact
     # Rounded to nearest, the average stops where its change per step falls
     # below half a bfloat16 step: far below the real value.
-    assert nearest.mean() < 0.8 * exact
+    assert nearest.mean() < 0.4 * exact  # 0.25: a third of the real value
     # Each weight draws its own rounding.
     assert len(np.unique(stochastic)) > 1
 
@@ -133,7 +133,7 @@ def test_a_saved_model_keeps_its_bfloat16_moments(tmp_path):
 
 def test_moments_of_weights_that_are_not_float32_keep_their_dtype():
     weight = keras.Variable(np.ones(8), dtype="bfloat16")
-    optimizer = kmp.optimizers.Adam()
+    optimizer = kmp.optimizers.Adam(state_dtype="float32")
     optimizer.build([weight])
     assert [v.dtype for v in optimizer.variables[2:]] == ["bfloat16", "bfloat16"]
     wide = keras.Variable(np.ones(8), dtype="float64")

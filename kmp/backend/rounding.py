@@ -45,6 +45,11 @@ def to_bfloat16(value: Any, rounding: str, seed: Any = None) -> Any:
         raise ValueError(
             f"rounding must be one of {ROUNDINGS}. Received: {rounding!r}."
         )
+    if seed is None:
+        raise ValueError(
+            "Stochastic rounding needs a seed (two integers) to select its "
+            "random draw. Received: seed=None."
+        )
     noise = tf.random.stateless_uniform(
         tf.shape(value), seed, minval=0, maxval=1 << 16, dtype=tf.int32,
         alg="philox",
@@ -52,10 +57,10 @@ def to_bfloat16(value: Any, rounding: str, seed: Any = None) -> Any:
     bits = tf.bitwise.bitwise_and(
         tf.bitcast(value, tf.int32) + noise, tf.constant(-(1 << 16), tf.int32)
     )
-    # Inf and NaN keep their class: their exponent bits are all ones, and
-    # adding to a NaN's significand, or clearing its low bits, cannot reach
-    # another exponent; only a NaN whose payload is in its low bits would
-    # become Inf, so NaN is passed through as it is.
+    # Inf stays Inf (its low bits are zero), and a finite value above
+    # bfloat16's largest may round up to Inf, as rounding up does. A NaN's
+    # bits could carry into its sign or lose its payload: NaN is passed
+    # through as it is.
     rounded = tf.bitcast(bits, tf.float32)
     rounded = tf.where(tf.math.is_nan(value), value, rounded)
     return tf.cast(rounded, tf.bfloat16)

@@ -9,6 +9,9 @@ is stored is rounded: stochastically by default (`kmp.backend.rounding`),
 because a moment rounded to nearest stops moving once its change per step
 is below half a bfloat16 step (Adam's second moment changes by 0.1 % per
 step at `beta_2=0.999`, a quarter of a step). The weights stay float32.
+Stochastic rounding draws a random integer per stored value per step, so
+the update does more work than Keras's (a pass more per moment); where kmp
+fuses the update (`kmp.fused`), that pass is fused with the rest.
 
 Keras offers no such option; these classes subclass Keras's own `Adam` and
 `AdamW`, with every option of theirs (weight decay, clipping, EMA,

@@ -37,6 +37,21 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     from kmp.diagnostics.doctor import doctor
 
+    if not args.model:
+        given = [
+            flag
+            for flag, value in (
+                ("--policies", args.policies),
+                ("--memory-budget", args.memory_budget),
+                ("--import", args.imports),
+            )
+            if value
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} only apply to a memory estimate: pass "
+                "--model FILE.keras with them."
+            )
     report = doctor()
     if args.json:
         data = report.to_dict()

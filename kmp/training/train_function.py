@@ -175,7 +175,10 @@ def _compile_update_ahead(model: keras.Model) -> None:
     compiled ahead for it."""
     optimizer = getattr(model, "optimizer", None)
     if (
-        type(model).train_step is keras.Model.train_step
+        # Where Keras compiles the whole step with XLA, the update is part of
+        # that program: one compiled alone would never run.
+        getattr(model, "jit_compile", False) is not True
+        and type(model).train_step is keras.Model.train_step
         and isinstance(optimizer, LossScaleOptimizer)
         and plan_apply.all_built(model)
     ):
