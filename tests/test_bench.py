@@ -283,6 +283,12 @@ def test_a_run_out_of_memory_does_not_fit_and_other_failures_are_raised():
     fit = bench.largest_batch("mlp", "float32", 1000, start=4, measure=tensorflow_oom)
     assert fit.batch_size is None
 
+    def cpp_abort(batch):
+        raise _runs.RunFailed("aborted", -6, "what():  std::bad_alloc")
+
+    fit = bench.largest_batch("mlp", "float32", 1000, start=2, measure=cpp_abort)
+    assert fit.batch_size is None and fit.probes == ((2, None), (1, None))
+
     def broken(batch):
         raise _runs.RunFailed("failed", 1, "ValueError: a bug in the model")
 

@@ -93,9 +93,11 @@ class RunFailed(RuntimeError):
     @property
     def out_of_memory(self) -> bool:
         """Whether it ran out of memory: killed by SIGKILL (the kernel's
-        out-of-memory killer), or TensorFlow's or Python's own error."""
+        out-of-memory killer), TensorFlow's or Python's own error, or C++'s
+        `std::bad_alloc`."""
         return self.returncode == -9 or any(
-            name in self.stderr for name in ("ResourceExhaustedError", "MemoryError")
+            name in self.stderr
+            for name in ("ResourceExhaustedError", "MemoryError", "std::bad_alloc")
         )
 
 
