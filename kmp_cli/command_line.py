@@ -46,6 +46,19 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _add_import(parser: argparse.ArgumentParser, when: str) -> None:
+    """The `--import MODULE` option of the commands that load a .keras file."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=f"import MODULE {when}: the module that registers a .keras file's "
+        "own layer classes (repeatable)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `kmp` command line."""
     parser = argparse.ArgumentParser(
@@ -90,15 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the largest batch whose estimate fits SIZE of tensors "
         "(e.g. 4G)",
     )
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first: the module that registers the model's own "
-        "layer classes (repeatable)",
-    )
+    _add_import(p, "first")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser(
         "bench",
@@ -129,15 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run each policy with plain Keras, for comparison",
     )
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE in each run first: the module that registers a "
-        ".keras file's own layer classes (repeatable)",
-    )
+    _add_import(p, "in each run first")
     p.add_argument(
         "--keras-budget",
         type=float,

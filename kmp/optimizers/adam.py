@@ -127,8 +127,9 @@ class _HalfState:
             self._store(v_hat_slot, v, index, 2)
         self.assign_sub(variable, m * alpha / (ops.sqrt(v) + self.epsilon))
 
-    def _state_config(self) -> dict[str, Any]:
+    def get_config(self) -> dict[str, Any]:
         return {
+            **super().get_config(),
             "state_dtype": self.state_dtype,
             "rounding": self.rounding,
             "seed": self.seed,
@@ -194,9 +195,6 @@ class Adam(_HalfState, keras.optimizers.Adam):
         )
         self._init_state(state_dtype, rounding, seed)
 
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), **self._state_config()}
-
 
 @keras.saving.register_keras_serializable(package="kmp")
 class AdamW(_HalfState, keras.optimizers.AdamW):
@@ -250,6 +248,3 @@ class AdamW(_HalfState, keras.optimizers.AdamW):
             **kwargs,
         )
         self._init_state(state_dtype, rounding, seed)
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), **self._state_config()}
