@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="This machine's CPU and accelerators, their 16-bit math, "
         "the policy 'auto' picks and why, the fused-update rule, versions and "
         "warnings; with --model, an estimate of the memory training the model "
-        "will hold, per policy.",
+        "will hold, per policy, and the layers whose activations reach "
+        "float16's range.",
         formatter_class=_Help,
     )
     p.add_argument(
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="also print the largest batch whose estimate fits SIZE of tensors "
         "(e.g. 4G)",
+    )
+    p.add_argument(
+        "--sample",
+        metavar="FILE.npy",
+        help="with --model: a batch of real inputs (.npy, or .npz with one "
+        "array per input name) for the activation range check (default: "
+        "random inputs at --batch-size)",
     )
     _add_import(p, "first")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -172,4 +172,4 @@ def test_doctor_estimates_a_saved_models_memory_with_its_own_optimizer(
     assert kmp_cli.main(["doctor", "--model", str(tmp_path / "none.keras")]) != 0
     assert "existing .keras file" in capsys.readouterr().err
     assert kmp_cli.main(["doctor", "--memory-budget", "4G"]) != 0
-    assert "--memory-budget only apply to a memory estimate" in capsys.readouterr().err
+    assert "--memory-budget only apply to a model's checks" in capsys.readouterr().err

@@ -87,6 +87,7 @@ _DATA = frozenset(
         "MirrorPad",
     ]
 )
+DATA_OPS = _DATA
 _MATMUL = frozenset(
     ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 )
@@ -480,6 +481,19 @@ def output_sources(model: keras.layers.Layer) -> OutputSources:
         elif op.type in _HANDS_ON:
             stack.extend(t.op for t in op.inputs if t.dtype.name in _FLOATS)
     return OutputSources(frozenset(found), frozenset(ran))
+
+
+def owners(model: keras.layers.Layer, op_names) -> dict[str, list]:
+    """The layers whose calls each op (by name) ran in, outermost first (the
+    model itself left out: an op of the model's own code has none)."""
+    names: dict[int, dict] = {}
+    return {name: _chain(model, name, names) for name in op_names}
+
+
+def reaches_softmax(op) -> bool:
+    """Whether an op's output flows into a softmax through scaling, masking
+    and reshaping ops only (attention scores and the masks added to them)."""
+    return op.type in _SOFTMAX or _reaches_softmax(op)
 
 
 def _chain(model, op_name: str, names: dict) -> list:

@@ -15,9 +15,11 @@ import dataclasses
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmp._base.table import format_table
+from kmp.backend import ranges
 from kmp.backend import tracing
 from kmp.diagnostics import compiled_by
 from kmp.internals import keras_private
@@ -31,6 +33,9 @@ from kmp.precision import quantization
 from kmp.precision import traversal
 
 _SIXTEEN = policy_lib.SIXTEEN_BIT
+FLOAT16_MAX = policy_lib.FLOAT16_MAX
+# A layer within this factor of float16's largest value is named.
+DEFAULT_HEADROOM = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,13 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
+def precision_audit(
+    model: keras.Model,
+    policy: Any = None,
+    *,
+    sample: Any = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> AuditReport:
     """Lists, before training, the spots where 16-bit precision may hurt.
 
     The audit plans the model as `kmp.prepare` would (under `policy` if
@@ -112,7 +123,13 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
       output layer);
     * user-written layers that fail with a dtype error under the policy;
     * Dense/Conv/Embedding sizes that are not multiples of 8, which keeps
-      GPU Tensor Cores from being used.
+      GPU Tensor Cores from being used;
+    * with a `sample` batch: every layer whose activations on it reach
+      float16's largest value (65504), or come within a factor `headroom`
+      of it, measured by one forward pass with every layer in float32
+      (`kmp.backend.ranges`; the model's policies are restored after).
+      Such a layer overflows in float16 whatever the loss scale: the fix
+      is bfloat16 (float32's range) or that layer in float32.
 
     Args:
         model: A built Keras model.
@@ -120,6 +137,13 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
             `kmp.Policy`), e.g. a float32 model you plan to move to
             `'mixed_float16'`: the layers that follow the model's policy move
             to it, as before `kmp.prepare`. By default, the model as it is.
+        sample: A batch of inputs, as the model takes them (real data:
+            activations on random inputs can differ by orders of
+            magnitude), for the activation range check. None: no check.
+        headroom: With `sample`, a layer is named when its activations
+            reach `65504 / headroom` (the default 2: within a factor 2 of
+            float16's limit, as other batches and training can raise them).
+            At least 1.
 
     Returns:
         An `AuditReport`; `print()` it.
@@ -140,6 +164,20 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
             "precision_audit() expects a Keras model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    if policy is not None and not isinstance(policy, (str, policy_lib.Policy)):
+        policy_type = type(policy).__name__
+        if isinstance(policy, (np.ndarray, tf.Tensor, dict, list, tuple)):
+            raise TypeError(
+                "precision_audit()'s second argument is the policy to audit "
+                f"under; received a {policy_type}. Pass a batch as "
+                "precision_audit(model, sample=batch)."
+            )
+    if not (isinstance(headroom, (int, float)) and headroom >= 1):
+        raise ValueError(
+            "precision_audit(headroom=...) is the factor below float16's "
+            "largest value at which a layer is named: a number of at least 1 "
+            f"(1: only layers that reach it). Received: {headroom!r}."
+        )
     compiled_by.note_compiled_without_kmp(model, "kmp.debug.precision_audit")
     target = None if policy is None else policy_lib.get(policy)
     the_plan = planning.plan(model, policy=target)
@@ -153,7 +191,42 @@ def precision_audit(model: keras.Model, policy: Any = None) -> AuditReport:
             if not any(r.kind == "16-bit output" for r in risks):
                 risks.extend(_output_risks(model, traced))
         risks.extend(_mixed_dtype_risks(model, traced))
+    if sample is not None:
+        range_risks, range_error = range_check(model, sample, headroom)
+        risks.extend(range_risks)
+        if range_error and not error:
+            error = f"it could not run on the sample ({range_error})"
     return AuditReport(model.name, tuple(risks), error, fix)
+
+
+def range_check(
+    model: keras.layers.Layer, sample: Any, headroom: float = DEFAULT_HEADROOM
+) -> tuple[list[Risk], str]:
+    """The layers whose activations on `sample` reach float16's limit (or
+    `FLOAT16_MAX / headroom`), as risks, and why the pass could not run
+    (or `''`)."""
+    measured = ranges.activation_ranges(model, sample)
+    risks = []
+    for r in measured.above(FLOAT16_MAX / headroom):
+        over = r.max_abs >= FLOAT16_MAX
+        fix = (
+            f"train in bfloat16 ('mixed_bfloat16': float32's range), or compute "
+            f"this layer in float32: kmp.set_layer_policy('name:{r.path}', "
+            "'float32'), then kmp.prepare(model)"
+        )
+        if not over:
+            fix = "none needed yet; if training overflows here: " + fix
+        risks.append(
+            Risk(
+                r.path,
+                r.class_name,
+                "float16 overflow" if over else "near float16's range",
+                f"its {r.op} reached |x| = {r.max_abs:.3g} on the sample "
+                f"(float16's largest value is {FLOAT16_MAX:g})",
+                fix,
+            )
+        )
+    return risks, measured.error
 
 
 def _trace(model) -> tuple[tracing.Trace, str, str]:

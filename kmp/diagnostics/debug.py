@@ -21,7 +21,7 @@ from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.scaling import telemetry
 
-FLOAT16_MAX = 65504.0
+FLOAT16_MAX = policy_lib.FLOAT16_MAX
 
 
 def _owners(model: keras.layers.Layer) -> dict[int, str]:

@@ -55,6 +55,8 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 SIXTEEN_BIT = ("float16", "bfloat16")
 _WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 AUTO = "auto"
+# float16's largest finite value: activations above it overflow to inf.
+FLOAT16_MAX = 65504.0
 
 
 class PolicyError(ValueError):

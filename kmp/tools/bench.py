@@ -111,7 +111,6 @@ def _load_model(path: str, seed: int):
     """A saved model rebuilt under the current policy (its saved dtypes are
     dropped), with random data of its input shape."""
     import keras
-    import numpy as np
 
     # Read under float32: a layer that builds sublayers in its constructor
     # gives them the global policy, which would clash with its saved dtype.
@@ -133,6 +132,15 @@ def _load_model(path: str, seed: int):
 
     drop_dtypes(config.get("layers", []))
     model = saved.__class__.from_config(config)
+    return model, random_inputs(model, seed)
+
+
+def random_inputs(model, seed: int):
+    """`make(n)`: `n` random samples of `model`'s first input (token ids
+    every Embedding accepts for a text model, else normal values) and
+    targets of its first output's width."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     shape = tuple(model.inputs[0].shape[1:])
     out_units = model.outputs[0].shape[-1]
@@ -145,7 +153,7 @@ def _load_model(path: str, seed: int):
             x = rng.normal(size=(n, *shape)).astype("float32")
         return x, rng.normal(size=(n, out_units)).astype("float32")
 
-    return model, make
+    return make
 
 
 def _token_range(model) -> int | None:

@@ -44,12 +44,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 ("--policies", args.policies),
                 ("--memory-budget", args.memory_budget),
                 ("--import", args.imports),
+                ("--sample", args.sample),
             )
             if value
         ]
         if given:
             raise ValueError(
-                f"{', '.join(given)} only apply to a memory estimate: pass "
+                f"{', '.join(given)} only apply to a model's checks: pass "
                 "--model FILE.keras with them."
             )
     report = doctor()
@@ -57,6 +58,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         data = report.to_dict()
         if args.model:
             data["memory_estimate"] = _memory_estimates(args)
+            data["activation_range"] = _activation_range(args)
         print(json.dumps(data, indent=2))
         return 0
     caps = report.capabilities
@@ -95,7 +97,71 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.model:
         print()
         _memory_estimates(args)
+        print()
+        _activation_range(args)
     return 0
+
+
+def _load_sample(path: str):
+    """A sample batch from a .npy file (one input) or a .npz file (one
+    array, or one per input name)."""
+    import os
+
+    import numpy as np
+
+    if not (path.endswith((".npy", ".npz")) and os.path.exists(path)):
+        raise ValueError(
+            "--sample must be the path of an existing .npy file (one input) or "
+            f".npz file (one array per input name). Received: {path!r}."
+        )
+    loaded = np.load(path, allow_pickle=False)
+    if path.endswith(".npy"):
+        return loaded
+    arrays = dict(loaded)
+    return next(iter(arrays.values())) if len(arrays) == 1 else arrays
+
+
+def _activation_range(args: argparse.Namespace) -> list[dict]:
+    """`kmp doctor --model FILE`: the layers whose activations, computed in
+    float32 on a sample, reach float16's limit (or half of it), printed
+    unless --json and returned."""
+    import dataclasses
+
+    import keras
+
+    from kmp.diagnostics import audit
+    from kmp.tools import bench
+
+    model = keras.models.load_model(args.model, compile=False)  # its weights
+    if args.sample:
+        sample, where = _load_sample(args.sample), args.sample
+    else:
+        sample = bench.random_inputs(model, seed=0)(args.batch_size)[0]
+        where = (
+            f"random inputs at batch {args.batch_size} (pass --sample FILE.npy "
+            "for real data: activations on random inputs can differ widely)"
+        )
+    risks, error = audit.range_check(model, sample)
+    if error:
+        raise ValueError(
+            f"kmp doctor could not run {args.model} on the sample: {error}."
+        )
+    found = [dataclasses.asdict(r) for r in risks]
+    if not args.json:
+        limit = audit.FLOAT16_MAX
+        print(
+            f"activation range of {args.model} (one float32 forward pass on "
+            f"{where}; float16's largest value is {limit:g}):"
+        )
+        if found:
+            rows = [
+                (r["layer"], r["class_name"], r["kind"], r["detail"]) for r in found
+            ]
+            print(format_table(("layer", "class", "risk", "detail"), rows))
+            print(f"fix: {risks[0].fix}")
+        else:
+            print(f"  no layer reaches {limit / audit.DEFAULT_HEADROOM:g}.")
+    return found
 
 
 def _memory_estimates(args: argparse.Namespace) -> dict:
@@ -134,7 +200,7 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
         # Only its optimizer's class and settings are read: an optimizer
         # saved before its first step has no state to load.
         warnings.simplefilter("ignore", UserWarning)
-        optimizer = keras.models.load_model(args.model).optimizer
+        optimizer = getattr(keras.models.load_model(args.model), "optimizer", None)
     results = {}
     for name in names:
         with kmp.policy_scope(name):

@@ -12,6 +12,7 @@ import keras
 from kmp._base import warn as _warn
 from kmp.backend import fused
 from kmp.backend import grappler
+from kmp.backend import ranges
 from kmp.planning import applied as applied_lib
 from kmp.planning import apply as plan_apply
 from kmp.planning import decisions as planning
@@ -23,7 +24,11 @@ from kmp.training import attach
 
 
 def compile(
-    model: keras.Model, *args: Any, fused_update: bool | None = None, **kwargs: Any
+    model: keras.Model,
+    *args: Any,
+    fused_update: bool | None = None,
+    sample: Any = None,
+    **kwargs: Any,
 ) -> keras.Model:
     """Applies kmp's precision rules to `model`, then calls `model.compile`
     with the same arguments, its optimizers wrapped in kmp's.
@@ -57,6 +62,13 @@ def compile(
             TPUs);
             `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
+        sample: A batch of inputs (real data). Where the model computes in
+            float16, kmp runs it once on the batch with every layer in
+            float32 and warns, naming them, about the layers whose
+            activations reach float16's largest value (65504): those
+            overflow in float16 whatever the loss scale
+            (`kmp.debug.precision_audit(model, sample=...)` gives the full
+            table). None (default): no check.
         **kwargs: Keyword arguments of `model.compile`.
 
     Returns:
@@ -138,6 +150,8 @@ def compile(
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.
     grappler.apply_fast_paths("float16" if float16 else the_plan.base.compute_dtype)
+    if sample is not None and float16:
+        _warn_overflowing(model, sample)
     scale = float16 and arguments.get("auto_scale_loss", True) is not False
     wrapped: dict[str, Any] = {}
     unresolved: dict[str, str] = {}
@@ -178,6 +192,33 @@ def compile(
     # and adds the telemetry to a train_step's own logs.
     attach.attach(model, complete_plan=not built and planning.runs_own_call(model))
     return model
+
+
+def _warn_overflowing(model: keras.Model, sample: Any) -> None:
+    """Warns about the layers whose activations on `sample`, computed in
+    float32, reach float16's largest value."""
+    measured = ranges.activation_ranges(model, sample)
+    if measured.error:
+        raise ValueError(
+            f"kmp.compile(sample=...) runs {model.name!r} on the sample to "
+            f"check its activations' range, and it could not: {measured.error}. "
+            "Expected a batch the model takes as input, as fit() receives it "
+            "(without the targets)."
+        )
+    over = measured.above(policy_lib.FLOAT16_MAX)
+    if over:
+        named = ", ".join(f"{r.path!r} ({r.max_abs:.3g})" for r in over)
+        first = over[0].path
+        _warn.warn(
+            f"kmp: on the sample, these layers of {model.name!r} compute "
+            f"activations beyond float16's largest value "
+            f"({policy_lib.FLOAT16_MAX:g}): {named}. In float16 they overflow "
+            "to inf whatever the loss scale, and the steps that do are "
+            "skipped. Train in bfloat16 ('mixed_bfloat16', float32's range), "
+            f"or compute them in float32 (kmp.set_layer_policy('name:{first}', "
+            "'float32'), then compile again). "
+            "kmp.debug.precision_audit(model, sample=...) lists them."
+        )
 
 
 def _refuse_tf_keras_2_contract_in_keras_train_step(model, optimizers: dict) -> None:
