@@ -1,13 +1,16 @@
 """Keras callbacks that read kmp's loss-scale telemetry: `LossScaleMonitor`
 (the scale, skipped steps and overflow sources, to TensorBoard, CSV and a
-plot) and `NonFiniteGuard` (a collapse detected at the step it happens, with
-its diagnosis).
+plot), `NonFiniteGuard` (a collapse detected at the step it happens, with
+its diagnosis) and `OverflowHealer` (a layer whose forward pass overflows
+float16 moved to float32 while training).
 
 A public module of kmp's: it only re-exports, from where each name lives.
 """
 
 from kmp.diagnostics.collapse import TrainingCollapsedError
 from kmp.diagnostics.guard import NonFiniteGuard
+from kmp.diagnostics.healing import Heal
+from kmp.diagnostics.healing import OverflowHealer
 from kmp.diagnostics.monitor import LossScaleMonitor
 from kmp.diagnostics.records import CSV_FIELDS
 from kmp.diagnostics.records import PLOT_DPI
@@ -19,8 +22,10 @@ __all__ = [
     "CSV_FIELDS",
     "PLOT_DPI",
     "PLOT_SIZE_INCHES",
+    "Heal",
     "LossScaleMonitor",
     "NonFiniteGuard",
+    "OverflowHealer",
     "StepRecord",
     "TrainingCollapsedError",
     "plot_records",

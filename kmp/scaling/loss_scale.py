@@ -146,11 +146,12 @@ class LossScale:
                 out.append(times(g))
         return out
 
-    def adjust(self, finite) -> None:
+    def adjust(self, finite, keep_scale=False) -> None:
         """Moves the state after one optimizer step whose gradients were
-        (`finite=True`) or were not all finite. Only the fields the mode can
-        change are written (in mode `'none'`: the three skip counters)."""
-        new = next_state(self.config, self.state, finite)
+        (`finite=True`) or were not all finite (`keep_scale`: see
+        `next_state`). Only the fields the mode can change are written (in
+        mode `'none'`: the three skip counters)."""
+        new = next_state(self.config, self.state, finite, keep_scale)
         moving = _MOVING[self.config.mode]
         for field in dataclasses.fields(self.state):
             if field.name in moving:

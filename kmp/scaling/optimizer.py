@@ -15,6 +15,7 @@ tf.keras 2's contract lives in `kmp.mixed_precision`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -194,6 +195,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # The losses of the applied steps, for fit's `loss` (kmp.scaling.applied_loss);
         # its variables come last in build.
         object.__setattr__(self, "_applied_loss", applied_loss_lib.AppliedLoss())
+        # Set by kmp.callbacks.OverflowHealer (`watch_forward`).
+        object.__setattr__(self, "_forward_probe", None)
+        object.__setattr__(self, "_forward_keeps_scale", False)
+        object.__setattr__(self, "_loss_recorded", False)
 
     def __repr__(self) -> str:
         inner = type(self.inner_optimizer).__name__
@@ -355,6 +360,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def record_loss(self, loss) -> None:
         """Records whether `loss` (before scaling) is finite, agreed on across
         replicas (`last_loss_finite`; `scale_loss` and the tape call it)."""
+        object.__setattr__(self, "_loss_recorded", True)
         self._overflow.record_loss(
             distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
         )
@@ -379,8 +385,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             loss = tf.cast(loss, "float32")
         self._ledger.scaled_loss()
         self.record_loss(loss)
+        if self._forward_probe is not None and not tf.executing_eagerly():
+            self._forward_probe(loss)
         self._applied_loss.record(loss)
         return self._scale.scale(loss)
+
+    @property
+    def loss_recorded(self) -> bool:
+        """Whether a step has recorded its loss's finiteness here
+        (`scale_loss`, or a `kmp.ScaledGradientTape`): a `train_step` that
+        calls neither leaves `last_loss_finite` unwritten."""
+        return self._loss_recorded
+
+    def watch_forward(
+        self, probe: Callable[[Any], None] | None, keeps_scale: bool
+    ) -> None:
+        """How the steps traced from now on treat the forward pass
+        (`kmp.callbacks.OverflowHealer` sets it, then has the step traced
+        again).
+
+        Args:
+            probe: Called with the loss when `scale_loss` is traced, in the
+                step's graph (the forward pass's ops are there), or None.
+            keeps_scale: Whether a step whose loss itself is inf/NaN (a
+                forward overflow, which a lower scale cannot fix) leaves the
+                loss scale as it is; it is skipped and counted either way.
+        """
+        object.__setattr__(self, "_forward_probe", probe)
+        object.__setattr__(self, "_forward_keeps_scale", bool(keeps_scale))
 
     def get_scaled_loss(self, loss):
         """tf.keras 2's spelling: `loss * scale`. Given a callable that
@@ -474,13 +506,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._apply_inner,
             grads,
             variables,
-            self._scale.adjust,
+            self._adjust,
             on_skip=self._overflow.record,
             record=self._overflow.by_variable(flags, variables),
         )
         self._applied_loss.settle(finite)
         self._ledger.applied()
         return applied
+
+    def _adjust(self, finite) -> None:
+        """The loss-scale state update after a step (see `watch_forward`)."""
+        if not self._forward_keeps_scale:
+            self._scale.adjust(finite)
+            return
+        forward = tf.logical_not(
+            keras.ops.convert_to_tensor(self._overflow.last_loss_finite)
+        )
+        self._scale.adjust(finite, keep_scale=forward)
 
     def _as_unscaled(self, grads, variables, scaled):
         """The gradients as the inner optimizer must see them: unscaled."""

@@ -74,7 +74,10 @@ def _saturating_increment(counter):
 
 
 def next_state(
-    config: LossScaleConfig, state: LossScaleState, grads_finite: Any
+    config: LossScaleConfig,
+    state: LossScaleState,
+    grads_finite: Any,
+    keep_scale: Any = False,
 ) -> LossScaleState:
     """The loss-scale transition: the next state after one optimizer step.
 
@@ -99,6 +102,11 @@ def next_state(
                     hysteresis_left -= 1
         last_finite = grads_finite
 
+    With `keep_scale` true on a non-finite step (a forward overflow that
+    `kmp.callbacks.OverflowHealer` handles: a lower scale cannot fix it),
+    the step is skipped and counted, and `scale`, `good_steps` and
+    `hysteresis_left` stay as they were.
+
     In `'static'` mode the scale never changes; in `'none'` mode (no loss
     scaling) the scale stays 1 and the counters count skipped steps as in
     `'static'`: a non-finite step is skipped under every mode. The scale
@@ -109,6 +117,8 @@ def next_state(
         config: A `LossScaleConfig`.
         state: A `LossScaleState` of tensors or variables.
         grads_finite: A scalar bool (tensor): were all gradients finite?
+        keep_scale: A scalar bool (tensor): on a non-finite step, leave the
+            scale and its counters alone (see above).
 
     Returns:
         The next `LossScaleState`, of tensors. Works eagerly and in graphs.
@@ -139,6 +149,12 @@ def next_state(
         new_scale = scale
         new_good = ops.where(finite, good_after, zero)
         new_hyst = hyst
+    keep = ops.logical_and(
+        ops.logical_not(finite), ops.convert_to_tensor(keep_scale, "bool")
+    )
+    new_scale = ops.where(keep, scale, new_scale)
+    new_good = ops.where(keep, good, new_good)
+    new_hyst = ops.where(keep, hyst, new_hyst)
     return LossScaleState(
         scale=new_scale,
         good_steps=new_good,

@@ -156,6 +156,12 @@ class TrainFunction:
             self._inner = self._keras_function(model)
             return self._inner(iterator)
 
+    def retrace(self) -> None:
+        """Has Keras trace the step again at the next call (a layer's
+        policy changed); nothing to do before the first call."""
+        if self._inner is not None:
+            self._inner = self._keras_function(self._model())
+
     def _keras_function(self, model: keras.Model):
         model.train_function = None
         try:
@@ -164,6 +170,16 @@ class TrainFunction:
         finally:
             model.train_function = self
         return inner
+
+
+def retrace(model: keras.Model) -> None:
+    """Has the model's train function traced again before its next step,
+    as `fit` calls it (kmp's, or one Keras made)."""
+    function = getattr(model, "train_function", None)
+    if isinstance(function, TrainFunction):
+        function.retrace()
+    elif function is not None:
+        model.make_train_function(force=True)
 
 
 def _compile_update_ahead(model: keras.Model) -> None:

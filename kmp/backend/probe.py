@@ -1,0 +1,81 @@
+"""Where a forward pass first overflowed: a probe that, traced into a
+training step, records the first op whose output holds inf/NaN.
+
+`ForwardProbe(loss)` is called while the step is traced, after the loss is
+computed (`kmp.LossScaleOptimizer.scale_loss` calls it): every float op of
+the forward pass is in the step's graph by then. For each one it adds a
+finite check of its output (one pass over each activation, the whole cost,
+paid only while the probe is traced in), and it writes the position of the
+first non-finite one (in the order the ops were created, which is the
+forward order) to a variable, -1 when there is none. `layer_at(model)`
+names the layer whose call ran that op, through the name scopes
+`kmp.backend.tracing` reads; a cast is attributed to the layer it casts
+for (Keras casts a layer's inputs outside its scope).
+
+Left out, as in `kmp.backend.ranges`: data movement, and the tensors that
+flow into a softmax (scores and masks, where an `-inf` mask is no
+overflow).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kmp.backend import tracing
+
+
+def _candidate(op) -> bool:
+    if not any(t.dtype.is_floating for t in op.outputs):
+        return False
+    if op.type == "Cast":
+        return op.outputs[0].dtype in (tf.float16, tf.bfloat16)
+    return op.type not in tracing.DATA_OPS and not tracing.reaches_softmax(op)
+
+
+class ForwardProbe:
+    """Records the first op of a traced forward pass whose output is
+    non-finite (see the module docstring). Create it eagerly, outside
+    any traced function."""
+
+    def __init__(self):
+        self.first = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        self._ops: tuple = ()
+
+    def __call__(self, loss) -> None:
+        ops = [op for op in loss.graph.get_operations() if _candidate(op)]
+        if not ops:
+            return
+        finite = tf.stack(
+            [tf.reduce_all(tf.math.is_finite(t)) for op in ops for t in op.outputs[:1]]
+        )
+        bad = tf.logical_not(finite)
+        first = tf.where(
+            tf.reduce_any(bad),
+            tf.argmax(tf.cast(bad, tf.int32)),
+            tf.constant(-1, tf.int64),
+        )
+        self.first.assign(first)
+        self._ops = tuple(ops)
+
+    def reset(self) -> None:
+        self.first.assign(-1)
+
+    def op(self):
+        """The first non-finite op of the last step, or None."""
+        index = int(self.first.numpy())
+        if index < 0 or index >= len(self._ops):
+            return None
+        return self._ops[index]
+
+    def layer_at(self, model) -> tuple[str, object] | None:
+        """(the name of the first non-finite op, the chain of layers whose
+        calls ran it, outermost first), or None when the last step's
+        forward pass was finite. A cast is attributed to its consumer."""
+        op = self.op()
+        if op is None:
+            return None
+        named = op
+        if op.type == "Cast" and op.outputs[0].consumers():
+            named = op.outputs[0].consumers()[0]
+        chain = tracing.owners(model, [named.name])[named.name]
+        return op.name, chain

@@ -1,0 +1,270 @@
+"""`OverflowHealer`: a layer whose forward pass keeps overflowing float16
+moves to float32 on its own, while `fit` runs.
+
+Loss scaling protects gradients; it cannot fix a forward pass whose
+activations exceed float16's range (65504): every such step is skipped,
+and a plain loss-scale optimizer halves its scale each time, until it hits
+the floor and training stalls. The healer tells the two apart and acts:
+
+1. **Watching** (the default state): after each step it reads whether the
+   step's loss itself was inf/NaN (`kmp.LossScaleOptimizer.last_loss_finite`,
+   recorded in the step). Such a step is skipped and counted, and the
+   loss scale is left as it is (a lower scale cannot fix it).
+2. **Diagnosing**: at the first forward overflow, the step is traced again
+   with a probe (`kmp.backend.probe`) that records the first op whose
+   output is non-finite, which names the layer whose call ran it. This
+   costs one finite check per activation, for as long as it lasts.
+3. **Healing**: when the same layer overflows in `overflows` of the last
+   `window` steps, it is moved to float32 compute (through Keras's public
+   `layer.dtype_policy` setter, quantization kept), and the step is traced
+   again. Its variables keep their dtype; Keras casts its output for the
+   Keras layers that take it. The healer goes on diagnosing: the overflow
+   may move on to the layer its large output reaches, which is then moved
+   in turn. After `window` steps without a forward overflow it stops
+   diagnosing and the step is traced once more without the probe.
+
+Every move is in `healer.heals` (layer, step, the op that overflowed), in
+`History` as `healed_layers` (how many so far) and printed. The layer's
+policy is the model's own, so `model.save` / `keras.models.load_model`
+keep the healed precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from kmp._base import warn as _warn
+from kmp.backend import probe as probe_lib
+from kmp.precision import quantization
+from kmp.precision import traversal
+from kmp.scaling import optimizer as optimizer_lib
+from kmp.training import train_function
+
+WATCHING = "watching"
+DIAGNOSING = "diagnosing"
+
+
+@dataclasses.dataclass(frozen=True)
+class Heal:
+    """One layer moved to float32 by `OverflowHealer`.
+
+    Attributes:
+        layer: The layer's path in the model.
+        step: The training step (counted from the start of `fit`, from 1)
+            after which it moved.
+        op: The op whose output overflowed (its graph name).
+        overflows: In how many of the last `window` steps it overflowed.
+    """
+
+    layer: str
+    step: int
+    op: str
+    overflows: int
+
+    def __str__(self) -> str:
+        return (
+            f"healed at step {self.step}: {self.layer!r} moved to float32 "
+            f"(its output overflowed float16 in {self.overflows} steps, at "
+            f"{self.op})"
+        )
+
+
+class OverflowHealer(keras.callbacks.Callback):
+    """Moves a layer whose forward pass overflows float16 to float32.
+
+    See the module docstring for what it does step by step. Use it with a
+    model compiled by `kmp.compile` (or with a `kmp.LossScaleOptimizer`),
+    trained by `fit`; a forward overflow of the loss computation itself
+    (outside every layer) is reported, not healed.
+
+    Args:
+        overflows: How many forward overflows of the same layer, within
+            `window` steps, move it. At least 1.
+        window: The number of steps those overflows are counted in, and
+            the number of steps without one after which diagnosing stops.
+            At least `overflows`.
+        verbose: Print each move (1, default) or not (0).
+
+    Attributes:
+        heals: The `Heal`s so far, in order.
+        forward_overflows: Steps skipped because the forward pass overflowed.
+        gave_up: Whether it met an overflow no move fixes (outside every
+            layer, or in a layer already in float32): it then warned, and
+            forward overflows lower the loss scale again, as without it.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> inputs = keras.Input((4,))
+    >>> h = keras.layers.Dense(8, name="up")(inputs)
+    >>> h = keras.layers.LayerNormalization(name="norm")(h)
+    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    >>> up = model.get_layer("up")
+    >>> up.kernel.assign(up.kernel * 1e5)  # its output overflows float16
+    <...>
+    >>> model = kmp.compile(model, optimizer="adam", loss="mse")
+    >>> healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    >>> _ = model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=8,
+    ...               callbacks=[healer], verbose=0)
+    >>> [h.layer for h in healer.heals], healer.forward_overflows
+    (['up'], 2)
+    >>> model.get_layer("up").compute_dtype
+    'float32'
+    """
+
+    def __init__(self, overflows: int = 3, window: int = 20, verbose: int = 1):
+        super().__init__()
+        if not (isinstance(overflows, int) and overflows >= 1):
+            raise ValueError(
+                "OverflowHealer(overflows=...) is how many forward overflows of "
+                "one layer move it to float32: an int of at least 1. Received: "
+                f"{overflows!r}."
+            )
+        if not (isinstance(window, int) and window >= overflows):
+            raise ValueError(
+                "OverflowHealer(window=...) is the number of steps overflows are "
+                f"counted in: an int of at least overflows ({overflows}). "
+                f"Received: {window!r}."
+            )
+        self.overflows = overflows
+        self.window = window
+        self.verbose = verbose
+        self.heals: list[Heal] = []
+        self.forward_overflows = 0
+        self._state = WATCHING
+        self._probe: probe_lib.ForwardProbe | None = None
+        self._seen: dict[str, list[int]] = {}
+        self._last_overflow = 0
+        self._step = 0
+        self.gave_up = False
+
+    def _optimizer(self) -> optimizer_lib.LossScaleOptimizer:
+        opt = optimizer_lib.of_model(self.model)
+        if opt is None:
+            raise ValueError(
+                "OverflowHealer needs the model compiled with a "
+                "kmp.LossScaleOptimizer, which records whether each step's loss "
+                "was finite. Received a model whose optimizer is "
+                f"{type(getattr(self.model, 'optimizer', None)).__name__}: "
+                "compile it with kmp.compile(model, ...)."
+            )
+        return opt
+
+    def on_train_begin(self, logs=None):
+        if tf.distribute.has_strategy() or (
+            self.model.distribute_strategy is not tf.distribute.get_strategy()
+        ):
+            raise ValueError(
+                "OverflowHealer does not run under a tf.distribute strategy yet: "
+                "its probe records one replica's forward pass. Train without the "
+                "strategy to find the layers, or pin them to float32 yourself: "
+                "kmp.set_layer_policy('name:PATH', 'float32') before kmp.compile."
+            )
+        opt = self._optimizer()
+        opt.watch_forward(None, keeps_scale=not self.gave_up)
+        self._state = WATCHING
+        train_function.retrace(self.model)
+
+    def on_train_end(self, logs=None):
+        self._optimizer().watch_forward(None, keeps_scale=False)
+        self._state = WATCHING
+        train_function.retrace(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self.gave_up:
+            return
+        opt = self._optimizer()
+        if not opt.loss_recorded:
+            raise ValueError(
+                f"OverflowHealer reads each step's loss, and the training step of "
+                f"{self.model.name!r} gave none to its kmp.LossScaleOptimizer: "
+                "it never calls optimizer.scale_loss(loss) (Keras's own "
+                "train_step does) or a kmp.ScaledGradientTape. Call "
+                "self.optimizer.scale_loss(loss) in train_step before taking the "
+                "gradients, and apply them with optimizer.apply(grads, vars)."
+            )
+        forward = not bool(keras.ops.convert_to_numpy(opt.last_loss_finite))
+        if forward:
+            self.forward_overflows += 1
+            self._last_overflow = self._step
+        if self._state == WATCHING:
+            if forward:
+                self._diagnose(opt, True)
+            return
+        if forward:
+            self._attribute()
+        elif self._step - self._last_overflow >= self.window:
+            self._diagnose(opt, False)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["healed_layers"] = float(len(self.heals))
+
+    def _diagnose(self, opt, on: bool) -> None:
+        if on and self._probe is None:
+            self._probe = probe_lib.ForwardProbe()
+        self._state = DIAGNOSING if on else WATCHING
+        self._seen.clear()
+        opt.watch_forward(self._probe if on else None, keeps_scale=True)
+        train_function.retrace(self.model)
+
+    def _attribute(self) -> None:
+        found = self._probe.layer_at(self.model)
+        self._probe.reset()
+        if found is None:
+            return
+        op_name, chain = found
+        if not chain:
+            self._give_up(
+                f"kmp: the forward pass overflowed float16 at {op_name!r}, outside "
+                f"every layer of {self.model.name!r} (the loss, or the model's "
+                "own code): OverflowHealer moves layers only. Compute the loss "
+                "from float32 predictions, or that code in float32."
+            )
+            return
+        layer = chain[-1]
+        path = _path_of(self.model, layer)
+        steps = [s for s in self._seen.get(path, []) if s > self._step - self.window]
+        steps.append(self._step)
+        self._seen[path] = steps
+        if len(steps) < self.overflows:
+            return
+        if layer.compute_dtype == "float32":
+            self._give_up(
+                f"kmp: {path!r} computes in float32 and still overflows at "
+                f"{op_name!r}: its values exceed float16's range where they "
+                "leave it. Check its weights and inputs for exploding values."
+            )
+            return
+        quantization.set_float_part(layer, "float32")
+        heal = Heal(path, self._step, op_name, len(steps))
+        self.heals.append(heal)
+        self._seen.clear()
+        if self.verbose:
+            print(f"kmp: {heal}")
+        train_function.retrace(self.model)
+
+    def _give_up(self, message: str) -> None:
+        """An overflow no move fixes: said once, and from then on forward
+        overflows lower the loss scale again, as without the healer, so that
+        a collapse is seen (`NonFiniteGuard`, `LossScaleMonitor`)."""
+        _warn.warn(
+            f"{message} Forward overflows now lower the loss scale again, as "
+            "without OverflowHealer."
+        )
+        self.gave_up = True
+        self._state = WATCHING
+        self._optimizer().watch_forward(None, keeps_scale=False)
+        train_function.retrace(self.model)
+
+
+def _path_of(model: keras.layers.Layer, layer: keras.layers.Layer) -> str:
+    for site in traversal.walk(model):
+        if site.layer is layer:
+            return site.path
+    return layer.name

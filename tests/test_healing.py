@@ -1,0 +1,154 @@
+"""kmp.callbacks.OverflowHealer: a layer whose forward pass overflows
+float16 moves to float32 while `fit` runs, the loss scale untouched by
+those overflows, the move kept by `model.save`."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.scaling import config as ls_config
+from kmp.scaling import state as state_lib
+
+
+def ffn_model(up_scale: float = 1e4) -> keras.Model:
+    """Dense up, its weights scaled up as weights pretrained in bfloat16 can
+    be (its output overflows float16), a LayerNormalization that brings the
+    values back in range, Dense down, Dense head. Float32 trains it."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(64, activation="relu", name="up")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    y = keras.layers.Dense(16, activation="relu", name="down")(h)
+    outputs = keras.layers.Dense(4, name="head")(y)
+    model = keras.Model(inputs, outputs, name="ffn")
+    up = model.get_layer("up")
+    up.kernel.assign(up.kernel * up_scale)
+    return model
+
+
+def data(n: int = 256):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 16)).astype("float32") * 4
+    return x, (x @ rng.normal(size=(16, 4)).astype("float32")) / 4
+
+
+def scale_of(model) -> float:
+    return float(keras.ops.convert_to_numpy(model.optimizer.loss_scale))
+
+
+def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+    # Without the healer every step is skipped and the scale falls to its floor.
+    plain = kmp.compile(ffn_model(), optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    assert int(plain.optimizer.skipped_steps_total) == 16
+    assert scale_of(plain) == plain.optimizer.config.min_scale
+
+    model = kmp.compile(ffn_model(), optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    initial = scale_of(model)
+    healer = kmp.callbacks.OverflowHealer(verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[healer])
+    # 'up' overflows; in float32, its output goes to the LayerNormalization,
+    # which takes it as it comes and normalizes it: nothing else moves.
+    assert [h.layer for h in healer.heals] == ["up"]
+    assert healer.heals[-1].step <= 50
+    assert model.get_layer("up").compute_dtype == "float32"
+    assert model.get_layer("norm").compute_dtype == "float16"
+    # Only the steps before each move were lost, and forward overflows did
+    # not lower the scale.
+    assert healer.forward_overflows == int(model.optimizer.skipped_steps_total) <= 8
+    assert scale_of(model) >= initial
+    assert history.history["healed_layers"] == [1.0, 1.0, 1.0]
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    # Within a few percent of float32 training the same model (the steps
+    # lost before the move aside).
+    kmp.set_policy("float32")
+    reference = ffn_model()
+    reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    expected = reference.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert losses[-1] == pytest.approx(expected.history["loss"][-1], rel=0.1)
+    kmp.set_policy("mixed_float16")
+    assert "healed at step" in str(healer.heals[0])
+
+    # Saved and loaded: the healed precision stays, and training resumes
+    # without a new overflow.
+    path = str(tmp_path / "healed.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.get_layer("up").compute_dtype == "float32"
+    again = kmp.callbacks.OverflowHealer(verbose=0)
+    loaded.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[again])
+    assert again.forward_overflows == 0 and not again.heals
+
+
+def test_plain_keras_does_not_train_on_the_same_model():
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+    model = ffn_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert not np.isfinite(history.history["loss"][-1])
+
+
+def test_an_overflow_outside_every_layer_is_reported_and_the_scale_falls_again():
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+
+    def float16_loss(y_true, y_pred):  # overflows in the loss, not in a layer
+        return keras.ops.mean(keras.ops.square(keras.ops.cast(y_pred, "float16") * 1e4))
+
+    model = kmp.compile(ffn_model(1.0), optimizer="adam", loss=float16_loss)
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    with pytest.warns(UserWarning, match="outside every layer"):
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[healer])
+    assert healer.gave_up and not healer.heals
+    assert scale_of(model) < model.optimizer.config.initial_scale
+
+
+def test_a_train_step_that_never_scales_its_loss_is_refused():
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables, scaled=False)
+            return {"loss": loss}
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    model = OwnStep(inputs, keras.layers.Dense(4)(inputs))
+    kmp.compile(model, optimizer="adam", loss="mse")
+    x, y = data(64)
+    with pytest.raises(ValueError, match="scale_loss"):
+        model.fit(x, y, verbose=0, callbacks=[kmp.callbacks.OverflowHealer(verbose=0)])
+
+
+def test_the_healer_refuses_bad_settings_and_a_model_without_kmp_scaling():
+    with pytest.raises(ValueError, match="at least 1"):
+        kmp.callbacks.OverflowHealer(overflows=0)
+    with pytest.raises(ValueError, match="at least overflows"):
+        kmp.callbacks.OverflowHealer(overflows=5, window=3)
+    model = ffn_model(1.0)
+    model.compile(optimizer="adam", loss="mse")
+    x, y = data(32)
+    with pytest.raises(ValueError, match=r"kmp\.LossScaleOptimizer"):
+        model.fit(x, y, verbose=0, callbacks=[kmp.callbacks.OverflowHealer()])
+
+
+def test_a_kept_scale_skips_and_counts_but_leaves_the_scale():
+    config = ls_config.LossScaleConfig(initial_scale=1024.0, hysteresis=1)
+    state = state_lib.LossScaleState.initial(config)
+    kept = state_lib.next_state(config, state, False, keep_scale=True)
+    lowered = state_lib.next_state(config, state, False)
+    assert float(kept.scale) == 1024.0 and float(lowered.scale) == 512.0
+    assert int(kept.skipped_total) == int(lowered.skipped_total) == 1
+    assert int(kept.consecutive_skips) == 1 and not bool(kept.last_finite)
+    # keep_scale changes nothing on a finite step.
+    grown = state_lib.next_state(config, state, True, keep_scale=True)
+    plain = state_lib.next_state(config, state, True)
+    assert [float(v) for v in grown.fields()] == [float(v) for v in plain.fields()]
