@@ -73,6 +73,10 @@ def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
     assert losses[-1] == pytest.approx(expected.history["loss"][-1], rel=0.1)
     kmp.set_policy("mixed_float16")
     assert "healed at step" in str(healer.heals[0])
+    assert kmp.precision_report(model).row("up").rule == str(healer.heals[0])
+    # A later kmp.prepare keeps the move, as it keeps a user's dtype=.
+    kmp.prepare(model)
+    assert model.get_layer("up").compute_dtype == "float32"
 
     # Saved and loaded: the healed precision stays, and training resumes
     # without a new overflow.

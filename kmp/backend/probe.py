@@ -12,9 +12,11 @@ names the layer whose call ran that op, through the name scopes
 `kmp.backend.tracing` reads; a cast is attributed to the layer it casts
 for (Keras casts a layer's inputs outside its scope).
 
-Left out, as in `kmp.backend.ranges`: data movement, and the tensors that
-flow into a softmax (scores and masks, where an `-inf` mask is no
-overflow).
+Only ops with a 16-bit output are checked (casts to 16-bit included):
+a float32 op cannot overflow float16, and its infinities are deliberate
+(a `-inf` mask) or float32's own. Left out, as in `kmp.backend.ranges`:
+data movement, and the tensors that flow into a softmax (scores and
+masks).
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import tensorflow as tf
 
 from kmp.backend import tracing
 
+_SIXTEEN = (tf.float16, tf.bfloat16)
+
 
 def _candidate(op) -> bool:
-    if not any(t.dtype.is_floating for t in op.outputs):
+    """An op that computes a 16-bit value (a cast to 16-bit included): a
+    float32 op cannot overflow float16, and its infinities are deliberate
+    (a `-inf` mask) or float32's own."""
+    if not op.outputs or op.outputs[0].dtype not in _SIXTEEN:
         return False
     if op.type == "Cast":
-        return op.outputs[0].dtype in (tf.float16, tf.bfloat16)
+        return True
     return op.type not in tracing.DATA_OPS and not tracing.reaches_softmax(op)
 
 

@@ -24,9 +24,11 @@ the floor and training stalls. The healer tells the two apart and acts:
    diagnosing and the step is traced once more without the probe.
 
 Every move is in `healer.heals` (layer, step, the op that overflowed), in
-`History` as `healed_layers` (how many so far) and printed. The layer's
-policy is the model's own, so `model.save` / `keras.models.load_model`
-keep the healed precision.
+`History` as `healed_layers` (how many so far), printed, and in
+`kmp.precision_report` as the rule that decided the layer's precision.
+The layer's policy is the model's own, so `model.save` /
+`keras.models.load_model` keep the healed precision, and a later
+`kmp.prepare` keeps it as it keeps a `dtype=` of the user's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.backend import probe as probe_lib
+from kmp.planning import applied as applied_lib
 from kmp.precision import quantization
 from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
@@ -244,6 +247,7 @@ class OverflowHealer(keras.callbacks.Callback):
         quantization.set_float_part(layer, "float32")
         heal = Heal(path, self._step, op_name, len(steps))
         self.heals.append(heal)
+        applied_lib.healed[layer] = str(heal)
         self._seen.clear()
         if self.verbose:
             print(f"kmp: {heal}")

@@ -293,7 +293,10 @@ def precision_report(
     for d in the_plan:
         layer = d.layer
         record = applied_lib.applied(layer)
-        if record is not None:
+        heal = applied_lib.healed.get(layer)
+        if heal is not None and quantization.float_part(layer) == "float32":
+            rule = heal
+        elif record is not None:
             rule = record.rule
         elif d.explicit:
             rule = planning.EXPLICIT

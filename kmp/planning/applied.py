@@ -34,6 +34,12 @@ model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 refused_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Layers `kmp.callbacks.OverflowHealer` moved to float32, {layer: what
+# happened}: their policy is theirs (a later `prepare` keeps it, as a
+# user's `dtype=`); the precision report says why it is so.
+healed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def applied(layer: keras.layers.Layer) -> Applied | None:
     """What kmp last set on `layer` and why, if its policy is still that."""
     record = applied_to.get(layer)
