@@ -49,8 +49,12 @@ def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
 
     model = kmp.compile(ffn_model(), optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     initial = scale_of(model)
+    # Evaluated before: Keras keeps that test function, traced with 'up' in
+    # float16, unless the heal has it made again.
+    assert not np.isfinite(model.evaluate(x, y, verbose=0))
     healer = kmp.callbacks.OverflowHealer(verbose=0)
     history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[healer])
+    assert np.isfinite(model.evaluate(x, y, verbose=0))
     # 'up' overflows; in float32, its output goes to the LayerNormalization,
     # which takes it as it comes and normalizes it: nothing else moves.
     assert [h.layer for h in healer.heals] == ["up"]
@@ -130,6 +134,14 @@ def test_a_train_step_that_never_scales_its_loss_is_refused():
     x, y = data(64)
     with pytest.raises(ValueError, match="scale_loss"):
         model.fit(x, y, verbose=0, callbacks=[kmp.callbacks.OverflowHealer(verbose=0)])
+
+
+def test_the_healer_refuses_a_model_that_runs_eagerly():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse", run_eagerly=True)
+    x, y = data(32)
+    with pytest.raises(ValueError, match="run_eagerly"):
+        model.fit(x, y, verbose=0, callbacks=[kmp.callbacks.OverflowHealer()])
 
 
 def test_the_healer_refuses_bad_settings_and_a_model_without_kmp_scaling():

@@ -139,6 +139,23 @@ def test_a_subclassed_model_with_raw_tensorflow_ops_is_attributed_by_layer():
     assert not any(layer == "dense" for layer, _ in kinds)
 
 
+def test_compile_with_a_sample_builds_an_unbuilt_subclassed_model_first():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.up = keras.layers.Dense(8, kernel_initializer="ones", name="up")
+            self.out = keras.layers.Dense(2, name="out")
+
+        def call(self, x):
+            return self.out(self.up(x))
+
+    kmp.set_policy("mixed_float16")
+    model = Net()
+    with pytest.warns(UserWarning, match=r"float16's largest value .*'up'"):
+        kmp.compile(model, optimizer="adam", loss="mse", sample=np.full((2, 4), 2e4))
+    assert model.up.compute_dtype == "float16"
+
+
 def test_audit_refuses_a_batch_as_policy_and_a_headroom_below_one():
     model = ffn_model()
     with pytest.raises(TypeError, match="sample=batch"):

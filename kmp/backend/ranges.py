@@ -95,7 +95,8 @@ def _float(tensor) -> bool:
 
 def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
     """Runs `model(x, training=False)` once with every layer in float32 and
-    returns, per layer, the largest |value| its ops produced.
+    returns, per layer, the largest |value| its ops produced. A model that
+    is not built is built first by a call on `x`, as its first call would.
 
     Args:
         model: A Keras model (or layer) that can be called on `x`.
@@ -115,6 +116,7 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
     names: list[str] = []
 
     def forward(inputs):
+        names.clear()  # traced again where the first trace made variables
         model(inputs, training=False)
         graph = tf.compat.v1.get_default_graph()
         maxima = []
@@ -126,11 +128,18 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
                     continue
                 magnitude = tf.abs(tf.cast(t, "float32"))
                 finite = tf.where(tf.math.is_finite(magnitude), magnitude, 0.0)
-                maxima.append(tf.reduce_max(finite) if t.shape.rank else finite)
+                maxima.append(finite if t.shape.rank == 0 else tf.reduce_max(finite))
                 names.append(op.name if i == 0 else f"{op.name}:{i}")
         return maxima
 
     inputs = keras.tree.map_structure(tf.convert_to_tensor, x)
+    if not model.built:
+        # Built first, as its first call would build it (its layers under
+        # their own policies), so that the float32 pass sees every layer.
+        try:
+            model(inputs, training=False)
+        except Exception as e:  # user code that cannot run on x: say why
+            return Ranges((), tracing.error_line(e))
     with _Float32(model):
         try:
             values = tf.function(forward)(inputs)

@@ -143,6 +143,7 @@ class OverflowHealer(keras.callbacks.Callback):
         self._seen: dict[str, list[int]] = {}
         self._last_overflow = 0
         self._step = 0
+        self._unattributed = 0
         self.gave_up = False
 
     def _optimizer(self) -> optimizer_lib.LossScaleOptimizer:
@@ -167,9 +168,19 @@ class OverflowHealer(keras.callbacks.Callback):
                 "strategy to find the layers, or pin them to float32 yourself: "
                 "kmp.set_layer_policy('name:PATH', 'float32') before kmp.compile."
             )
+        if self.model.run_eagerly:
+            raise ValueError(
+                "OverflowHealer finds the overflowing layer in the traced "
+                "training step, and this model runs eagerly (run_eagerly=True). "
+                "Compile it without run_eagerly to use the healer."
+            )
         opt = self._optimizer()
         opt.watch_forward(None, keeps_scale=not self.gave_up)
         self._state = WATCHING
+        self._step = 0
+        self._last_overflow = 0
+        self._unattributed = 0
+        self._seen.clear()
         train_function.retrace(self.model)
 
     def on_train_end(self, logs=None):
@@ -220,6 +231,19 @@ class OverflowHealer(keras.callbacks.Callback):
         found = self._probe.layer_at(self.model)
         self._probe.reset()
         if found is None:
+            # The loss is non-finite but no 16-bit op of the traced step is:
+            # a float32 op (log(0) in the loss), or a step the probe is not
+            # traced into (a custom train_step with a tape).
+            self._unattributed += 1
+            if self._unattributed >= self.window:
+                self._give_up(
+                    f"kmp: {self._unattributed} forward overflows of "
+                    f"{self.model.name!r} with no 16-bit op of its traced step "
+                    "overflowing: the loss is non-finite from a float32 op (a "
+                    "log(0), a division by zero), or the step does not hand its "
+                    "loss to optimizer.scale_loss. kmp.debug.find_nonfinite(model, "
+                    "x, y) on a failing batch shows where."
+                )
             return
         op_name, chain = found
         if not chain:

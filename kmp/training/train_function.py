@@ -174,7 +174,11 @@ class TrainFunction:
 
 def retrace(model: keras.Model) -> None:
     """Has the model's train function traced again before its next step,
-    as `fit` calls it (kmp's, or one Keras made)."""
+    as `fit` calls it (kmp's, or one Keras made), and its test and predict
+    functions made again when next used (a layer's policy changed, which a
+    traced function does not see)."""
+    model.test_function = None
+    model.predict_function = None
     function = getattr(model, "train_function", None)
     if isinstance(function, TrainFunction):
         function.retrace()
