@@ -26,6 +26,26 @@ def wide_mlp():
     return keras.Model(inputs, keras.layers.Dense(10)(hidden))
 
 
+def in_fresh_process(script: str, *args: str) -> dict:
+    """Runs `script` in a Python process of its own with `args` and returns
+    the JSON object its last line prints (fails the test if it fails)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def tensors_rise(way: str, policy: str) -> int:
     """The peak of live tensors over one epoch of `fit`, above what was
     live before it (weights, optimizer slots, data), in bytes."""
@@ -68,25 +88,12 @@ print(json.dumps({way: tensors_rise(way, sys.argv[2])
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_kmp_holds_no_more_tensors_than_keras_at_the_same_policy(policy):
-    import json
-    import os
     import pathlib
-    import subprocess
-    import sys
 
     assert fused.resolve(None, "adam", wide_mlp().trainable_variables) == (
         fused.default_for_machine()
     )
-    result = subprocess.run(
-        [sys.executable, "-c", _RISES, str(pathlib.Path(__file__).parent), policy],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rises = json.loads(result.stdout.strip().splitlines()[-1])
+    rises = in_fresh_process(_RISES, str(pathlib.Path(__file__).parent), policy)
     keras_rise = rises["keras"]
     for way in ("kmp", "kmp-unfused"):
         rise = rises[way]
@@ -133,21 +140,8 @@ print(json.dumps({
     [("mlp", "float32"), ("cnn", "float32"), ("transformer", "mixed_bfloat16")],
 )
 def test_the_memory_estimate_is_within_15_percent_of_training(name, policy):
-    import json
-    import os
-    import subprocess
-    import sys
 
-    result = subprocess.run(
-        [sys.executable, "-c", _ESTIMATE_AND_FIT, name, policy],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    r = json.loads(result.stdout.strip().splitlines()[-1])
+    r = in_fresh_process(_ESTIMATE_AND_FIT, name, policy)
     assert r["optimizer"] == "Adam (the model has no optimizer)"
     assert r["optimizer_mb"] == pytest.approx(2 * r["gradients_mb"], rel=1e-3)
     estimated, measured = r["estimated_mb"], r["measured_mb"]
