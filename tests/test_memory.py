@@ -73,12 +73,18 @@ def tensors_rise(way: str, policy: str) -> int:
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
-# Run in a fresh process per policy: in a pytest worker, what earlier tests
-# left in the process moved one step's peak by a weights' copy once (kmp
-# unfused 63.5 MiB against Keras's 48.5 MiB under mixed_float16; 48.0 and
-# 48.5 in a fresh process, and after the other policies' runs).
+# Run in a fresh process per policy, ops one at a time: the step's peak
+# moved by a weights' copy between runs (kmp unfused 63.5 against Keras's
+# 48.5 MiB in a pytest worker; 64 against 48 MiB in a fresh process under a
+# loaded CI machine; 48 and 48.5 on other runs): the order in which the
+# executor runs parallel ops decides which buffers are live together.
 _RISES = """
 import json, sys
+import tensorflow as tf
+# One op at a time: with ops run in parallel, the order the executor picks
+# moves the step's peak by a weights' copy from run to run (kmp unfused 64
+# against 48 MiB once in a fresh process), for Keras's step and kmp's alike.
+tf.config.threading.set_inter_op_parallelism_threads(1)
 sys.path.insert(0, sys.argv[1])
 from test_memory import tensors_rise
 print(json.dumps({way: tensors_rise(way, sys.argv[2])
