@@ -3,15 +3,18 @@
 Importing TensorFlow prints notices from its C++ runtime on standard error
 before any setting can silence them (`TF_CPP_MIN_LOG_LEVEL` does not reach
 them): that oneDNN is on, that no CUDA driver was found, which CPU
-instructions the binary could use, and on a machine without an NVIDIA
-GPU `E0000 ... failed call to cuInit: ... CUDA error`, which reads like a
-failure although nothing failed. `start_tensorflow` imports TensorFlow and
-Keras and lists the devices (when the runtime starts) with standard error
-passed through a filter that writes back every line that is not one of
-those notices: warnings, errors and anything unexpected still show. By
-default only the start-up is filtered; a measured run's own process keeps
-the filter until it exits (`for_life=True`), since TensorFlow may probe a
-device platform again later. Nothing else changes (no logging level is set).
+instructions the binary could use, and on a machine without an NVIDIA GPU
+`E0000 ... failed call to cuInit: ... CUDA error`, which reads like a
+failure although nothing failed (as does `E0000 ... oneDNN supports
+DT_HALF only on platforms with AVX-512`, printed later, at the first
+float16 op on a CPU oneDNN has no float16 kernels for). `start_tensorflow`
+imports TensorFlow and Keras and lists the devices (when the runtime
+starts) with standard error passed through a filter that writes back every
+line that is not one of those notices: warnings, errors and anything
+unexpected still show. By default only the start-up is filtered; a
+measured run's own process keeps the filter until it exits
+(`for_life=True`), since TensorFlow may probe a device platform again
+later. Nothing else changes (no logging level is set).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ _NOTICES = (
     "Unable to register cuBLAS factory",
     "computation placer already registered",
     "TF-TRT Warning: Could not find TensorRT",
+    # Printed at the first float16 op on a CPU without float16 kernels in
+    # oneDNN; the op runs on Eigen's (`kmp doctor` says what that costs).
+    "oneDNN supports DT_HALF only on platforms with AVX-512",
 )
 # Lines without the prefix that belong to the notices.
 _PLAIN = (

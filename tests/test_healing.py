@@ -168,3 +168,124 @@ def test_a_kept_scale_skips_and_counts_but_leaves_the_scale():
     grown = state_lib.next_state(config, state, True, keep_scale=True)
     plain = state_lib.next_state(config, state, True)
     assert [float(v) for v in grown.fields()] == [float(v) for v in plain.fields()]
+
+
+class _StopAt(keras.callbacks.Callback):
+    """Interrupts fit after a number of steps, as a KeyboardInterrupt or a
+    failing callback would: on_train_end never runs."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 >= self.steps:
+            raise KeyboardInterrupt
+
+
+def test_a_fit_interrupted_while_healing_leaves_no_watch_on_the_next_fit():
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=5, verbose=0)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=32, verbose=0, callbacks=[healer, _StopAt(2)])
+    assert healer.forward_overflows == 2 and not healer.heals
+    # Without the healer, forward overflows lower the scale again, as they
+    # do for a model that never met it.
+    before = scale_of(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert scale_of(model) < before
+    assert model.optimizer.forward_watch_lapsed() is False
+
+
+def test_with_several_steps_per_execution_every_step_is_counted():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    # The first batch of every four overflows 'up' (inputs 1e6 times as large).
+    for start in range(0, 256, 128):
+        x[start : start + 32] *= 1e6
+    y = np.zeros((256, 4), "float32")
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(
+        ffn_model(1.0), optimizer="adam", loss="mse", steps_per_execution=4
+    )
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[healer])
+    # Each call runs four steps and only its first overflows: the healer
+    # counts it, and the probe it traces in after the first call keeps the
+    # second call's, although each call's last step is finite.
+    assert [h.layer for h in healer.heals] == ["up"]
+    assert healer.heals[0].step == 8
+    assert healer.forward_overflows == 2
+
+
+class CastsBack(keras.layers.Layer):
+    """Computes in float32 inside its call and casts its result back to its
+    compute dtype (as layers written for mixed precision do): the cast
+    itself overflows float16."""
+
+    def call(self, x):
+        y = tf.cast(x, "float32") * 1e6
+        return tf.cast(y, self.compute_dtype)
+
+
+def test_a_cast_in_a_layer_s_own_call_is_blamed_on_that_layer():
+    x, y = data(64)
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    h = CastsBack(name="casts")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    model = kmp.compile(model, optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[healer])
+    # 'casts' moves (its float32 output then goes to 'norm', which takes it
+    # in float32): not 'norm', which consumes the cast.
+    assert [h.layer for h in healer.heals] == ["casts"]
+    assert not healer.gave_up
+    assert np.isfinite(model.evaluate(x, y, verbose=0))
+
+
+class Residual(keras.layers.Layer):
+    """A block whose own call adds its input to its sublayer's output in raw
+    TensorFlow: the two must have one dtype."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(16, name="up")
+
+    def call(self, x):
+        return x + self.up(x)
+
+
+def test_a_move_whose_step_cannot_trace_is_taken_back_and_said():
+    x, y = data(128)
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    block = Residual(name="block")
+    h = block(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    block.up.kernel.assign(block.up.kernel * 1e5)
+    model = kmp.compile(model, optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    with pytest.warns(UserWarning, match="cannot be traced"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[healer])
+    # 'block/up' in float32 leaves the block adding float32 to float16: the
+    # move is taken back, and the overflows lower the scale again.
+    assert healer.gave_up and not healer.heals
+    assert block.up.compute_dtype == "float16"
+    assert "healed" not in kmp.precision_report(model).row("block/up").rule
+    assert scale_of(model) < model.optimizer.config.initial_scale
+
+
+def test_a_model_compiled_by_keras_with_kmp_s_optimizer_is_healed_too():
+    x, y = data(128)
+    kmp.set_policy("mixed_float16")
+    model = ffn_model()
+    model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[healer])
+    assert [h.layer for h in healer.heals] == ["up"]
+    assert np.isfinite(model.evaluate(x, y, verbose=0))

@@ -9,8 +9,8 @@ paid only while the probe is traced in), and it writes the position of the
 first non-finite one (in the order the ops were created, which is the
 forward order) to a variable, -1 when there is none. `layer_at(model)`
 names the layer whose call ran that op, through the name scopes
-`kmp.backend.tracing` reads; a cast is attributed to the layer it casts
-for (Keras casts a layer's inputs outside its scope).
+`kmp.backend.tracing` reads; a cast Keras made for a layer's input is
+attributed to that layer (Keras casts a layer's inputs outside its scope).
 
 Only ops with a 16-bit output are checked (casts to 16-bit included):
 a float32 op cannot overflow float16, and its infinities are deliberate
@@ -61,7 +61,9 @@ class ForwardProbe:
             tf.argmax(tf.cast(bad, tf.int32)),
             tf.constant(-1, tf.int64),
         )
-        self.first.assign(first)
+        # The first overflow since `reset`: a call of the train function may
+        # run several steps (`steps_per_execution`).
+        self.first.assign(tf.where(self.first >= 0, self.first, first))
         self._ops = tuple(ops)
 
     def reset(self) -> None:
@@ -76,13 +78,21 @@ class ForwardProbe:
 
     def layer_at(self, model) -> tuple[str, object] | None:
         """(the name of the first non-finite op, the chain of layers whose
-        calls ran it, outermost first), or None when the last step's
-        forward pass was finite. A cast is attributed to its consumer."""
+        calls ran it, outermost first), or None when the forward passes
+        since the last `reset` were finite. A cast that Keras made for a
+        layer's input, outside that layer's call, is attributed to the layer
+        it casts for."""
         op = self.op()
         if op is None:
             return None
-        named = op
+        chain = tracing.owners(model, [op.name])[op.name]
         if op.type == "Cast" and op.outputs[0].consumers():
-            named = op.outputs[0].consumers()[0]
-        chain = tracing.owners(model, [named.name])[named.name]
+            consumer = op.outputs[0].consumers()[0]
+            inner = tracing.owners(model, [consumer.name])[consumer.name]
+            # Keras casts a layer's inputs in its caller's scope: the cast's
+            # layers are then the outer part of the consumer's.
+            if len(inner) > len(chain) and all(
+                a is b for a, b in zip(chain, inner, strict=False)
+            ):
+                chain = inner
         return op.name, chain

@@ -23,6 +23,12 @@ the floor and training stalls. The healer tells the two apart and acts:
    in turn. After `window` steps without a forward overflow it stops
    diagnosing and the step is traced once more without the probe.
 
+A move whose step then cannot be traced (code outside the layer joins its
+float32 output with a 16-bit tensor) is taken back by kmp's train function
+before that step runs, and the healer gives up (below). Its hold on the
+optimizer (`watch_forward`) is renewed after each call of the train
+function, so a `fit` that ends without `on_train_end` leaves none behind.
+
 Every move is in `healer.heals` (layer, step, the op that overflowed), in
 `History` as `healed_layers` (how many so far), printed, and in
 `kmp.precision_report` as the rule that decided the layer's precision.
@@ -44,6 +50,7 @@ from kmp.planning import applied as applied_lib
 from kmp.precision import quantization
 from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
+from kmp.training import attach as attach_lib
 from kmp.training import train_function
 
 WATCHING = "watching"
@@ -70,8 +77,8 @@ class Heal:
     def __str__(self) -> str:
         return (
             f"healed at step {self.step}: {self.layer!r} moved to float32 "
-            f"(its output overflowed float16 in {self.overflows} steps, at "
-            f"{self.op})"
+            f"(its output overflowed float16 in {self.overflows} "
+            f"step{'s' if self.overflows != 1 else ''}, at {self.op})"
         )
 
 
@@ -143,6 +150,9 @@ class OverflowHealer(keras.callbacks.Callback):
         self._seen: dict[str, list[int]] = {}
         self._last_overflow = 0
         self._step = 0
+        self._batches = 0  # steps run in this epoch, as Keras counts them
+        self._counter: tf.Variable | None = None
+        self._counted = 0
         self._unattributed = 0
         self.gave_up = False
 
@@ -175,7 +185,14 @@ class OverflowHealer(keras.callbacks.Callback):
                 "Compile it without run_eagerly to use the healer."
             )
         opt = self._optimizer()
-        opt.watch_forward(None, keeps_scale=not self.gave_up)
+        if not isinstance(self.model.train_function, train_function.TrainFunction):
+            # kmp's train function ends the watch of a fit that ends without
+            # on_train_end, and takes back a move whose step cannot trace.
+            attach_lib.attach(self.model)
+        if self._counter is None:
+            self._counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._counted = int(self._counter.numpy())
+        opt.watch_forward(None, keeps_scale=not self.gave_up, counter=self._counter)
         self._state = WATCHING
         self._step = 0
         self._last_overflow = 0
@@ -188,11 +205,21 @@ class OverflowHealer(keras.callbacks.Callback):
         self._state = WATCHING
         train_function.retrace(self.model)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._batches = 0
+
     def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
+        # `batch` is the last step of the call (steps_per_execution may be
+        # more than one), counted in the epoch from 0.
+        self._step += max(1, batch + 1 - self._batches)
+        self._batches = batch + 1
+        opt = self._optimizer()
+        opt.renew_forward_watch()
+        count = int(self._counter.numpy())
+        overflows, self._counted = count - self._counted, count
+        self.forward_overflows += overflows
         if self.gave_up:
             return
-        opt = self._optimizer()
         if not opt.loss_recorded:
             raise ValueError(
                 f"OverflowHealer reads each step's loss, and the training step of "
@@ -202,9 +229,8 @@ class OverflowHealer(keras.callbacks.Callback):
                 "self.optimizer.scale_loss(loss) in train_step before taking the "
                 "gradients, and apply them with optimizer.apply(grads, vars)."
             )
-        forward = not bool(keras.ops.convert_to_numpy(opt.last_loss_finite))
+        forward = overflows > 0
         if forward:
-            self.forward_overflows += 1
             self._last_overflow = self._step
         if self._state == WATCHING:
             if forward:
@@ -224,7 +250,9 @@ class OverflowHealer(keras.callbacks.Callback):
             self._probe = probe_lib.ForwardProbe()
         self._state = DIAGNOSING if on else WATCHING
         self._seen.clear()
-        opt.watch_forward(self._probe if on else None, keeps_scale=True)
+        opt.watch_forward(
+            self._probe if on else None, keeps_scale=True, counter=self._counter
+        )
         train_function.retrace(self.model)
 
     def _attribute(self) -> None:
@@ -268,6 +296,7 @@ class OverflowHealer(keras.callbacks.Callback):
                 "leave it. Check its weights and inputs for exploding values."
             )
             return
+        before = quantization.snapshot(layer)
         quantization.set_float_part(layer, "float32")
         heal = Heal(path, self._step, op_name, len(steps))
         self.heals.append(heal)
@@ -275,7 +304,18 @@ class OverflowHealer(keras.callbacks.Callback):
         self._seen.clear()
         if self.verbose:
             print(f"kmp: {heal}")
-        train_function.retrace(self.model)
+
+        def undo(error: str) -> None:
+            quantization.restore(layer, before)
+            self.heals.remove(heal)
+            applied_lib.healed.pop(layer, None)
+            self._give_up(
+                f"kmp: moving {path!r} to float32 left a training step that "
+                f"cannot be traced ({error}): code outside its call joins its "
+                "output with a 16-bit tensor. It keeps its precision."
+            )
+
+        train_function.retrace(self.model, undo)
 
     def _give_up(self, message: str) -> None:
         """An overflow no move fixes: said once, and from then on forward
@@ -287,7 +327,7 @@ class OverflowHealer(keras.callbacks.Callback):
         )
         self.gave_up = True
         self._state = WATCHING
-        self._optimizer().watch_forward(None, keeps_scale=False)
+        self._optimizer().watch_forward(None, keeps_scale=False, counter=self._counter)
         train_function.retrace(self.model)
 
 

@@ -198,6 +198,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Set by kmp.callbacks.OverflowHealer (`watch_forward`).
         object.__setattr__(self, "_forward_probe", None)
         object.__setattr__(self, "_forward_keeps_scale", False)
+        object.__setattr__(self, "_forward_counter", None)
+        object.__setattr__(self, "_forward_lease", False)
         object.__setattr__(self, "_loss_recorded", False)
 
     def __repr__(self) -> str:
@@ -361,9 +363,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Records whether `loss` (before scaling) is finite, agreed on across
         replicas (`last_loss_finite`; `scale_loss` and the tape call it)."""
         object.__setattr__(self, "_loss_recorded", True)
-        self._overflow.record_loss(
-            distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
-        )
+        finite = distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
+        self._overflow.record_loss(finite)
+        if self._forward_counter is not None:
+            self._forward_counter.assign_add(
+                tf.cast(tf.logical_not(finite), self._forward_counter.dtype)
+            )
 
     def scale_loss(self, loss):
         """Returns `loss * scale` (Keras's trainer calls this inside `fit`).
@@ -398,11 +403,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._loss_recorded
 
     def watch_forward(
-        self, probe: Callable[[Any], None] | None, keeps_scale: bool
+        self,
+        probe: Callable[[Any], None] | None,
+        keeps_scale: bool,
+        counter: tf.Variable | None = None,
     ) -> None:
         """How the steps traced from now on treat the forward pass
         (`kmp.callbacks.OverflowHealer` sets it, then has the step traced
         again).
+
+        A watch holds for one call of the train function at a time: whoever
+        sets it renews it after each call (`renew_forward_watch`), and kmp's
+        train function ends one that was not renewed (`forward_watch_lapsed`:
+        the `fit` that set it was interrupted, or a callback raised), so that
+        a later `fit` trains as it would without it.
 
         Args:
             probe: Called with the loss when `scale_loss` is traced, in the
@@ -410,9 +424,38 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             keeps_scale: Whether a step whose loss itself is inf/NaN (a
                 forward overflow, which a lower scale cannot fix) leaves the
                 loss scale as it is; it is skipped and counted either way.
+            counter: An int64 `tf.Variable` to which each step whose loss is
+                inf/NaN adds one (a call of the train function may run several
+                steps: `steps_per_execution`), or None.
         """
         object.__setattr__(self, "_forward_probe", probe)
         object.__setattr__(self, "_forward_keeps_scale", bool(keeps_scale))
+        object.__setattr__(self, "_forward_counter", counter)
+        object.__setattr__(self, "_forward_lease", self._forward_watched())
+
+    def _forward_watched(self) -> bool:
+        return (
+            self._forward_probe is not None
+            or self._forward_keeps_scale
+            or self._forward_counter is not None
+        )
+
+    def renew_forward_watch(self) -> None:
+        """Has the watch set by `watch_forward` hold for the next call of the
+        train function too."""
+        object.__setattr__(self, "_forward_lease", self._forward_watched())
+
+    def forward_watch_lapsed(self) -> bool:
+        """Called by kmp's train function before each call. Takes the watch's
+        lease for this call; where it was not renewed since the last call,
+        ends the watch and returns True: the step must be traced again."""
+        if not self._forward_watched():
+            return False
+        if self._forward_lease:
+            object.__setattr__(self, "_forward_lease", False)
+            return False
+        self.watch_forward(None, keeps_scale=False)
+        return True
 
     def get_scaled_loss(self, loss):
         """tf.keras 2's spelling: `loss * scale`. Given a callable that

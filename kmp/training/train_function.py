@@ -76,11 +76,19 @@ class TrainFunction:
         self._logs = logs
         self._epoch_check = per_epoch
         self._inner = None
+        # Given with a retrace: takes back the change that asked for it.
+        self._undo: Callable[[str], None] | None = None
         self._adds: bool | None = None  # decided at the first step from fit
         self._per_epoch = False
 
     def __call__(self, iterator: Any) -> Any:
         model = self._model()
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(optimizer, LossScaleOptimizer) and (
+            optimizer.forward_watch_lapsed()
+        ):
+            # A watch of the forward pass that its fit did not end.
+            self.retrace()
         if self._inner is None:
             if self._complete_plan and not plan_apply.ready(model):
                 _build(model, iterator)
@@ -90,6 +98,8 @@ class TrainFunction:
             _compile_update_ahead(model)
             self._inner = self._keras_function(model)
             logs = self._first_step(model, iterator)
+        elif self._undo is not None:
+            logs = self._changed_step(model, iterator)
         else:
             logs = self._inner(iterator)
         if self._complete_plan:
@@ -156,11 +166,34 @@ class TrainFunction:
             self._inner = self._keras_function(model)
             return self._inner(iterator)
 
-    def retrace(self) -> None:
+    def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
+        """The first step after a change that came with an undo (see
+        `retrace`)."""
+        undo, self._undo = self._undo, None
+        try:
+            return self._inner(iterator)
+        except (TypeError, tf.errors.InvalidArgumentError) as e:
+            if not (tracing.mixes_dtypes(e) and _from_fit(iterator)):
+                raise
+            undo(tracing.error_line(e))
+            self._inner = self._keras_function(model)
+            return self._inner(iterator)
+
+    def retrace(self, undo: Callable[[str], None] | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
-        policy changed); nothing to do before the first call."""
+        policy changed); nothing to do before the first call.
+
+        Args:
+            undo: Where the change may leave a step that mixes float dtypes
+                (a layer moved to float32 whose output raw TensorFlow code
+                joins with a 16-bit tensor), a function that takes it back,
+                given the error's line: when the next step from `fit` fails
+                so in its trace (which did not advance fit's iterator), it
+                is called and the step traced and run again.
+        """
         if self._inner is not None:
             self._inner = self._keras_function(self._model())
+            self._undo = undo
 
     def _keras_function(self, model: keras.Model):
         model.train_function = None
@@ -172,16 +205,17 @@ class TrainFunction:
         return inner
 
 
-def retrace(model: keras.Model) -> None:
+def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> None:
     """Has the model's train function traced again before its next step,
     as `fit` calls it (kmp's, or one Keras made), and its test and predict
     functions made again when next used (a layer's policy changed, which a
-    traced function does not see)."""
+    traced function does not see). `undo`: see `TrainFunction.retrace`
+    (kmp's train function only)."""
     model.test_function = None
     model.predict_function = None
     function = getattr(model, "train_function", None)
     if isinstance(function, TrainFunction):
-        function.retrace()
+        function.retrace(undo)
     elif function is not None:
         model.make_train_function(force=True)
 
