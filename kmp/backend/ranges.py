@@ -26,8 +26,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp.backend import float32_pass
 from kmp.backend import tracing
-from kmp.precision import quantization
 from kmp.precision import traversal
 
 
@@ -67,26 +67,6 @@ class Ranges:
     def above(self, limit: float) -> list[LayerRange]:
         """The layers whose activations reached `limit`."""
         return [r for r in self.layers if r.max_abs >= limit]
-
-
-class _Float32:
-    """Makes every layer of a model compute in float32 (quantized layers
-    keep their quantization), and restores their policies on exit."""
-
-    def __init__(self, model: keras.layers.Layer):
-        self._layers = [model] + [site.layer for site in traversal.walk(model)]
-        self._saved: list[tuple[keras.layers.Layer, Any]] = []
-
-    def __enter__(self):
-        for layer in self._layers:
-            if layer.compute_dtype != "float32":
-                self._saved.append((layer, quantization.snapshot(layer)))
-                quantization.set_float_part(layer, "float32")
-        return self
-
-    def __exit__(self, *exc):
-        for layer, saved in reversed(self._saved):
-            quantization.restore(layer, saved)
 
 
 def _float(tensor) -> bool:
@@ -140,7 +120,7 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
             model(inputs, training=False)
         except Exception as e:  # user code that cannot run on x: say why
             return Ranges((), tracing.error_line(e))
-    with _Float32(model):
+    with float32_pass.every_layer_in_float32(model):
         try:
             values = tf.function(forward)(inputs)
         except Exception as e:  # user code that cannot run on x: say why

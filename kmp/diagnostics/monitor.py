@@ -8,15 +8,20 @@ train step, and hands each record to `kmp.diagnostics.records`' writers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import keras
 
+from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
 from kmp.diagnostics import debug
 from kmp.diagnostics import records
+from kmp.diagnostics import underflow
+from kmp.planning import applied as applied_lib
+from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.scaling import registry
 from kmp.scaling import telemetry
@@ -43,7 +48,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     Values come from the batch logs, which Keras has already read from the
     device; the optimizer's per-variable overflow record is read only when
-    the skip count went up.
+    the skip count went up. A layer that `kmp.callbacks.OverflowHealer`
+    moved to float32 is in the next record (`healed`, TensorBoard text
+    `kmp/healed`, a dashed line in the plot).
+
+    With `underflow_sample=(x, y)`, at each epoch's end it also measures
+    what float16 loses of the gradients at the current scale on that batch
+    (`kmp.debug.gradient_underflow`: one float32 forward and backward pass,
+    about a step's cost, nothing of the model changed): the fraction of
+    gradient values flushed to zero goes to the record
+    (`gradient_underflow`, TensorBoard `kmp/gradient_underflow`) and to the
+    epoch's logs (`History`), each measure to `monitor.underflows`, and
+    what helps the layer that loses the most (1% or more) is logged once.
 
     With Keras's own `LossScaleOptimizer` it logs the loss and that
     optimizer's scale (Keras counts no skipped steps); with a
@@ -56,10 +72,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
         plot_path: PNG file to write at the end of training, or None.
         every_n_steps: Record every N train steps (skips in between are
             counted, not lost).
+        underflow_sample: `(x, y)` or `(x, y, sample_weight)`: a batch to
+            measure gradient underflow on at each epoch's end, or None.
 
     Raises:
-        ValueError: at construction, if a path cannot be written or
-            `every_n_steps` is not a positive integer.
+        ValueError: at construction, if a path cannot be written,
+            `every_n_steps` is not a positive integer, or `underflow_sample`
+            is not a tuple of two or three.
         ImportError: if `plot_path` is given and matplotlib is missing.
 
     Example:
@@ -82,6 +101,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         csv_path: str | os.PathLike | None = None,
         plot_path: str | os.PathLike | None = None,
         every_n_steps: int = 1,
+        underflow_sample: tuple | None = None,
     ):
         super().__init__()
         if (
@@ -96,6 +116,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.csv_path = os.fspath(csv_path) if csv_path is not None else None
         self.plot_path = os.fspath(plot_path) if plot_path is not None else None
         self.every_n_steps = every_n_steps
+        if underflow_sample is not None and not (
+            isinstance(underflow_sample, tuple) and len(underflow_sample) in (2, 3)
+        ):
+            received = type(underflow_sample).__name__
+            if isinstance(underflow_sample, tuple):
+                received = f"a tuple of {len(underflow_sample)}"
+            raise ValueError(
+                "underflow_sample is a batch to measure gradient underflow on: "
+                f"a tuple (x, y) or (x, y, sample_weight). Received: {received}."
+            )
+        self.underflow_sample = underflow_sample
+        self.underflows: list[tuple[int, underflow_lib.Underflow]] = []
         records.check_paths(self.log_dir, self.csv_path, self.plot_path)
         self.records: list[records.StepRecord] = []
         self._writer: records.RecordWriter | None = None
@@ -106,6 +138,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_total = 0
         self._last_logs: dict = {}
         self._warned = False
+        self._heals_seen: set[str] = set()
+        self._heals_count = -1  # entries of applied_lib.healed last looked at
+        self._advised = False
+        self._measured: float | None = None  # this epoch's measure
 
     def _optimizer(self):
         optimizers = registry.optimizers_of(self.model)
@@ -133,6 +169,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_start = self._step
+        self._measured = None
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the index of the epoch's last completed step, also with
@@ -140,14 +177,56 @@ class LossScaleMonitor(keras.callbacks.Callback):
         previous = self._step
         self._step = self._epoch_start + batch + 1
         self._last_logs = dict(logs or {})
-        if self._step // self.every_n_steps > previous // self.every_n_steps:
+        steps = (self.params or {}).get("steps")
+        if self.underflow_sample is not None and steps and batch + 1 >= steps:
+            # The epoch's last step: measured in its own record.
+            self._measured = self._measure_underflow()
+            self._record(self._measured)
+        elif self._step // self.every_n_steps > previous // self.every_n_steps:
             self._record()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._step > self._last_recorded:
+        if self.underflow_sample is not None and self._measured is None:
+            # An epoch of unknown length: measured at its end, in the record
+            # of its last step (written again, with the measure, where that
+            # step was recorded already).
+            self._measured = self._measure_underflow()
+            self._record(self._measured, again=self._step == self._last_recorded)
+        elif self._step > self._last_recorded:
             self._record()  # the epoch's tail: nothing is left uncounted
+        if self._measured is not None and logs is not None:
+            logs["gradient_underflow"] = self._measured
         if self._writer is not None:
             self._writer.flush()
+
+    def _measure_underflow(self) -> float:
+        result = underflow.gradient_underflow(self.model, *self.underflow_sample)
+        if result.error:
+            raise ValueError(
+                "LossScaleMonitor could not measure gradient underflow on "
+                f"underflow_sample: {result.error}. Pass a batch the model trains "
+                "on: (x, y) or (x, y, sample_weight)."
+            )
+        self.underflows.append((self._step, result))
+        advice = result.advice()
+        if advice and not self._advised:
+            logger.warning("kmp.callbacks.LossScaleMonitor: %s", advice)
+            self._advised = True
+        return result.flushed_fraction
+
+    def _new_heals(self) -> tuple[str, ...]:
+        """The moves OverflowHealer made in this model since the last look
+        (its layers are walked only when the record of moves grew)."""
+        if len(applied_lib.healed) == self._heals_count:
+            return ()
+        self._heals_count = len(applied_lib.healed)
+        found = []
+        for site in traversal.walk(self.model):
+            text = applied_lib.healed.get(site.layer)
+            if text is not None and text not in self._heals_seen:
+                self._heals_seen.add(text)
+                found.append(text)
+        return tuple(found)
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -160,7 +239,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """Writes the PNG plot of the records so far (also after a failure)."""
         records.plot_records(self.records, os.fspath(path))
 
-    def _record(self) -> None:
+    def _record(self, underflow_fraction: float | None = None, again=False) -> None:
+        if again and self.records:
+            # The epoch's measure, at a step already recorded: added to it.
+            last = dataclasses.replace(
+                self.records[-1],
+                gradient_underflow=underflow_fraction,
+                healed=self.records[-1].healed + self._new_heals(),
+            )
+            self.records[-1] = last
+            if self._writer is not None:
+                self._writer.write(dataclasses.replace(last, overflow_layers=()))
+            return
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))
         opt = self._optimizer()
@@ -170,7 +260,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
             logged = logs.get("loss_scale")
             scale = float(_numpy(scale_variable) if logged is None else logged)
         if not isinstance(opt, optimizer_lib.LossScaleOptimizer):
-            record = records.StepRecord(self._step, self._epoch, loss, scale, 0, None)
+            record = records.StepRecord(
+                self._step,
+                self._epoch,
+                loss,
+                scale,
+                0,
+                None,
+                healed=self._new_heals(),
+                gradient_underflow=underflow_fraction,
+            )
         else:
             logged = logs.get("skipped_steps_total")
             total = int(_numpy(opt.skipped_steps_total) if logged is None else logged)
@@ -186,6 +285,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 total,
                 sources.layers if sources else (),
                 bool(sources and sources.forward),
+                healed=self._new_heals(),
+                gradient_underflow=underflow_fraction,
             )
         self._last_recorded = self._step
         self.records.append(record)

@@ -19,6 +19,8 @@ CSV_FIELDS = (
     "skipped",
     "skipped_steps_total",
     "overflow_layers",
+    "healed",
+    "gradient_underflow",
 )
 
 
@@ -50,6 +52,10 @@ class StepRecord:
     `overflow_layers` names the layers whose gradients were non-finite at the
     last skipped step of the interval; `forward` is True when the loss itself
     was inf/NaN (a forward overflow: every gradient is then non-finite).
+    `healed` holds the moves `kmp.callbacks.OverflowHealer` made in the
+    interval (`"healed at step N: ..."`); `gradient_underflow` the fraction
+    of gradient values float16 flushes to zero at the scale, where measured
+    (`LossScaleMonitor(underflow_sample=...)`, at each epoch's end).
     """
 
     step: int
@@ -60,6 +66,8 @@ class StepRecord:
     skipped_steps_total: int | None
     overflow_layers: tuple[str, ...] = ()
     forward: bool = False
+    healed: tuple[str, ...] = ()
+    gradient_underflow: float | None = None
 
 
 def _sources_text(r: StepRecord) -> str:
@@ -110,6 +118,17 @@ def plot_records(records: list[StepRecord], path: str) -> None:
             zorder=3,
         )
         scale_ax.legend(loc="best")
+    healed = [r.step for r in records if r.healed]
+    for i, step in enumerate(healed):
+        for ax in (loss_ax, scale_ax):
+            ax.axvline(
+                step,
+                color="tab:purple",
+                linestyle="--",
+                label="a layer moved to float32" if i == 0 and ax is loss_ax else None,
+            )
+    if healed:
+        loss_ax.legend(loc="best")
     scale_ax.set_ylabel("loss scale")
     scale_ax.set_xlabel("step")
     fig.tight_layout()
@@ -165,6 +184,8 @@ class RecordWriter:
                     ("kmp/skipped_steps", float(r.skipped)),
                     ("kmp/skipped_steps_total", float(r.skipped_steps_total)),
                 ]
+            if r.gradient_underflow is not None:
+                values.append(("kmp/gradient_underflow", r.gradient_underflow))
             # One raw Summary per step (TensorBoard reads `simple_value`
             # scalars): one op per record instead of one per scalar.
             summary = tf.compat.v1.Summary(
@@ -181,6 +202,8 @@ class RecordWriter:
                     tf.summary.text(
                         "kmp/overflow_layers", _sources_text(r), step=r.step
                     )
+                if r.healed:
+                    tf.summary.text("kmp/healed", "\n".join(r.healed), step=r.step)
         if self._csv is not None:
             self._csv.writerow(
                 [
@@ -191,6 +214,8 @@ class RecordWriter:
                     r.skipped,
                     "" if r.skipped_steps_total is None else r.skipped_steps_total,
                     _sources_text(r) if r.overflow_layers else "",
+                    ";".join(r.healed),
+                    "" if r.gradient_underflow is None else r.gradient_underflow,
                 ]
             )
             self._csv_file.flush()

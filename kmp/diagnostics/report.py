@@ -12,8 +12,10 @@ import keras
 from kmp._base.table import format_table
 from kmp.backend import grappler
 from kmp.backend import tracing
+from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
 from kmp.diagnostics import doctor
+from kmp.diagnostics import underflow
 from kmp.planning import applied as applied_lib
 from kmp.planning import decisions as planning
 from kmp.precision import policy as policy_lib
@@ -47,6 +49,9 @@ class LayerPrecision:
         trains: Which of its own weights train (`'yes'`, `'no'`,
             `'adapters'`: only its LoRA weights, `'partly'`); `''` for a
             layer with no float weights of its own.
+        gradient_underflow: The fraction of its own weights' gradient values
+            that its 16-bit dtype flushes to zero at the loss scale, where
+            measured (`precision_report(model, sample=...)`), else None.
     """
 
     path: str
@@ -61,6 +66,7 @@ class LayerPrecision:
     quantization: str = ""
     lora_rank: int = 0
     trains: str = ""
+    gradient_underflow: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,8 @@ class PrecisionReport:
         policy_lost: Where the policy `kmp.set_policy` set is no longer in
             force and the model computes in another, that sentence with the
             fix (`kmp.precision.policy.lost_policy`); `''` elsewhere.
+        underflow: The gradient underflow measured on the sample
+            (`kmp.debug.gradient_underflow`), or None.
     """
 
     model_name: str
@@ -95,6 +103,7 @@ class PrecisionReport:
     loss_scaling: str = ""
     remapper: str = ""
     policy_lost: str = ""
+    underflow: underflow_lib.Underflow | None = None
 
     def __iter__(self) -> Iterator[LayerPrecision]:
         return iter(self.rows)
@@ -126,6 +135,11 @@ class PrecisionReport:
             header[3:3] = ["quantized", "LoRA", "trains"]
             for r, row in zip(self.rows, cells, strict=True):
                 row[3:3] = [r.quantization, str(r.lora_rank or ""), r.trains]
+        if self.underflow is not None and not self.underflow.error:
+            header.append(f"underflow at {self.underflow.scale:g}")
+            for r, row in zip(self.rows, cells, strict=True):
+                measured = r.gradient_underflow
+                row.append("" if measured is None else f"{measured:.1%}")
         table = format_table(tuple(header), [tuple(row) for row in cells])
         lines = [
             f"Precision of {self.model_name!r} (model policy: {self.policy})",
@@ -143,6 +157,8 @@ class PrecisionReport:
             lines.append(f"Not traced: {self.not_traced}.")
         if self.remapper:
             lines.append(textwrap.fill(self.remapper, width=88, break_on_hyphens=False))
+        if self.underflow is not None:
+            lines.append(_underflow_lines(self.underflow))
         return "\n".join(lines)
 
 
@@ -240,8 +256,25 @@ def _inside(decision, ops) -> str:
     return ""
 
 
+def _underflow_lines(measured: underflow_lib.Underflow) -> str:
+    if measured.error:
+        return f"Gradient underflow not measured: {measured.error}."
+    text = (
+        f"Underflow: the fraction of each 16-bit layer's gradient values that "
+        f"flush to zero at loss scale {measured.scale:g} (one float32 pass on "
+        "the sample)."
+    )
+    advice = measured.advice()
+    if advice:
+        text += " " + advice
+    return textwrap.fill(text, width=88, break_on_hyphens=False)
+
+
 def precision_report(
-    model: keras.layers.Layer, *, trace: bool = True
+    model: keras.layers.Layer,
+    *,
+    trace: bool = True,
+    sample: tuple | None = None,
 ) -> PrecisionReport:
     """Reports, per layer, the dtype its call computes in, the dtype it
     returns, whether something inside it computes in float32, and the rule
@@ -252,9 +285,18 @@ def precision_report(
     inside is read from one traced forward pass (`kmp.backend.tracing`; nothing runs)
     for built models; pass `trace=False` to skip it.
 
+    With `sample=(x, y)` (or `(x, y, sample_weight)`) and a compiled model,
+    it also measures, per layer computing in 16-bit, the fraction of its
+    gradient values float16 flushes to zero at the optimizer's current loss
+    scale (`kmp.debug.gradient_underflow`: one float32 forward and backward
+    pass on the batch; nothing of the model changes), and says what helps
+    the layer that loses the most.
+
     Args:
         model: A Keras model or layer.
         trace: Trace the forward pass to fill `returns` and `inside`.
+        sample: A batch `(x, y)` or `(x, y, sample_weight)` to measure
+            gradient underflow on, or None.
 
     Returns:
         A `PrecisionReport`: `print()` it for a table, or read `.rows`.
@@ -286,7 +328,19 @@ def precision_report(
             "precision_report() expects a Keras model or layer. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
+    if sample is not None and not (isinstance(sample, tuple) and len(sample) in (2, 3)):
+        raise ValueError(
+            "precision_report(sample=...) is a batch to measure gradient "
+            "underflow on: a tuple (x, y) or (x, y, sample_weight). Received: "
+            f"{type(sample).__name__}."
+        )
     compiled_by.note_compiled_without_kmp(model, "kmp.precision_report")
+    measured = (
+        underflow.gradient_underflow(model, *sample) if sample is not None else None
+    )
+    fractions = (
+        {r.path: r.flushed_fraction for r in measured.layers} if measured else {}
+    )
     the_plan = planning.plan(model)
     traced = tracing.trace(model) if trace else None
     rows = []
@@ -327,6 +381,7 @@ def precision_report(
                 quantization=quantization.mode(layer) or "",
                 lora_rank=quantization.lora_rank(layer),
                 trains=quantization.trains(layer),
+                gradient_underflow=fractions.get(d.path),
             )
         )
     return PrecisionReport(
@@ -346,4 +401,5 @@ def precision_report(
             the_plan.base.name,
         ),
         policy_lost=policy_lib.lost_policy(the_plan.base.keras_name),
+        underflow=measured,
     )
