@@ -77,6 +77,9 @@ def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
     assert losses[-1] == pytest.approx(expected.history["loss"][-1], rel=0.1)
     kmp.set_policy("mixed_float16")
     assert "healed at step" in str(healer.heals[0])
+    # What overflowed float16: measured in float32 in the step after the move.
+    assert healer.heals[0].magnitude > 65504
+    assert f"reached {healer.heals[0].magnitude:.3g}" in str(healer.heals[0])
     assert kmp.precision_report(model).row("up").rule == str(healer.heals[0])
     # A later kmp.prepare keeps the move, as it keeps a user's dtype=.
     kmp.prepare(model)
@@ -289,3 +292,37 @@ def test_a_model_compiled_by_keras_with_kmp_s_optimizer_is_healed_too():
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[healer])
     assert [h.layer for h in healer.heals] == ["up"]
     assert np.isfinite(model.evaluate(x, y, verbose=0))
+
+
+@pytest.mark.parametrize("machine_policy", ["mixed_bfloat16", "float32"])
+def test_a_layer_moves_to_bfloat16_where_asked_or_where_auto_finds_it_native(
+    monkeypatch, machine_policy
+):
+    from kmp.backend import machine
+    from kmp.precision import auto
+
+    x, y = data(128)
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, to="bfloat16")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[healer])
+    # bfloat16 has float32's range: the overflow is gone, in 16 bits.
+    assert [(h.layer, h.dtype) for h in healer.heals] == [("up", "bfloat16")]
+    assert model.get_layer("up").compute_dtype == "bfloat16"
+    assert model.get_layer("up").variable_dtype == "float32"
+    assert "moved to bfloat16" in kmp.precision_report(model).row("up").rule
+    assert healer.heals[0].magnitude > 65504
+    assert np.isfinite(model.evaluate(x, y, verbose=0))
+
+    # 'auto': bfloat16 where the machine's 'auto' policy is bfloat16.
+    monkeypatch.setattr(
+        machine, "resolve_auto", lambda: auto.AutoChoice(machine_policy, "a fake")
+    )
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, to="auto")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[healer])
+    expected = "bfloat16" if machine_policy == "mixed_bfloat16" else "float32"
+    assert [h.dtype for h in healer.heals] == [expected]
+    assert model.get_layer("up").compute_dtype == expected
+    with pytest.raises(ValueError, match="'float32', 'bfloat16', 'auto'"):
+        kmp.callbacks.OverflowHealer(to="float16")

@@ -46,7 +46,20 @@ class ForwardProbe:
 
     def __init__(self):
         self.first = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        # The largest finite |activation| of the layers `measure` names.
+        self.peak = tf.Variable(0.0, dtype=tf.float32, trainable=False)
         self._ops: tuple = ()
+        self._model = None
+        self._measured: tuple = ()
+
+    def measure(self, model, layers) -> None:
+        """Has the steps traced from now on record, in `peak`, the largest
+        finite |value| the float ops of `layers` (and of their sublayers)
+        produce, e.g. a layer just moved to float32: what its activations
+        reach there. Resets `peak`."""
+        self._model = model
+        self._measured = tuple(layers)
+        self.peak.assign(0.0)
 
     def __call__(self, loss) -> None:
         ops = [op for op in loss.graph.get_operations() if _candidate(op)]
@@ -65,6 +78,27 @@ class ForwardProbe:
         # run several steps (`steps_per_execution`).
         self.first.assign(tf.where(self.first >= 0, self.first, first))
         self._ops = tuple(ops)
+        if self._measured:
+            self._measure_peak(loss.graph)
+
+    def _measure_peak(self, graph) -> None:
+        ops = [
+            op
+            for op in graph.get_operations()
+            if op.outputs
+            and op.outputs[0].dtype.is_floating
+            and op.type not in tracing.DATA_OPS
+            and not tracing.reaches_softmax(op)
+        ]
+        chains = tracing.owners(self._model, [op.name for op in ops])
+        ids = {id(layer) for layer in self._measured}
+        peaks = []
+        for op in ops:
+            if any(id(layer) in ids for layer in chains[op.name]):
+                a = tf.abs(tf.cast(op.outputs[0], tf.float32))
+                peaks.append(tf.reduce_max(tf.where(tf.math.is_finite(a), a, 0.0)))
+        if peaks:
+            self.peak.assign(tf.maximum(self.peak, tf.reduce_max(tf.stack(peaks))))
 
     def reset(self) -> None:
         self.first.assign(-1)

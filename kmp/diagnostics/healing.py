@@ -29,7 +29,8 @@ before that step runs, and the healer gives up (below). Its hold on the
 optimizer (`watch_forward`) is renewed after each call of the train
 function, so a `fit` that ends without `on_train_end` leaves none behind.
 
-Every move is in `healer.heals` (layer, step, the op that overflowed), in
+Every move is in `healer.heals` (layer, step, the op that overflowed, and
+what the layer's activations reached in float32 in the step after it), in
 `History` as `healed_layers` (how many so far), printed, and in
 `kmp.precision_report` as the rule that decided the layer's precision.
 The layer's policy is the model's own, so `model.save` /
@@ -45,6 +46,7 @@ import keras
 import tensorflow as tf
 
 from kmp._base import warn as _warn
+from kmp.backend import machine
 from kmp.backend import probe as probe_lib
 from kmp.planning import applied as applied_lib
 from kmp.precision import quantization
@@ -55,6 +57,9 @@ from kmp.training import train_function
 
 WATCHING = "watching"
 DIAGNOSING = "diagnosing"
+_TARGETS = ("float32", "bfloat16", "auto")
+# The policy a layer moved to a dtype gets (its variables stay float32).
+_POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +72,29 @@ class Heal:
             after which it moved.
         op: The op whose output overflowed (its graph name).
         overflows: In how many of the last `window` steps it overflowed.
+        magnitude: The largest |value| its activations reached after the
+            move, in the step after it (what overflowed float16, 65504);
+            None until that step ran.
+        dtype: What it computes in since (`'float32'`, or `'bfloat16'`).
     """
 
     layer: str
     step: int
     op: str
     overflows: int
+    magnitude: float | None = None
+    dtype: str = "float32"
 
     def __str__(self) -> str:
+        reached = (
+            ""
+            if self.magnitude is None
+            else f"; in {self.dtype} its activations reached {self.magnitude:.3g}"
+        )
         return (
-            f"healed at step {self.step}: {self.layer!r} moved to float32 "
+            f"healed at step {self.step}: {self.layer!r} moved to {self.dtype} "
             f"(its output overflowed float16 in {self.overflows} "
-            f"step{'s' if self.overflows != 1 else ''}, at {self.op})"
+            f"step{'s' if self.overflows != 1 else ''}, at {self.op}{reached})"
         )
 
 
@@ -97,6 +113,14 @@ class OverflowHealer(keras.callbacks.Callback):
             the number of steps without one after which diagnosing stops.
             At least `overflows`.
         verbose: Print each move (1, default) or not (0).
+        to: What an overflowing layer moves to: `'float32'` (the default:
+            exact), `'bfloat16'` (float32's range in 16 bits: Keras's
+            `'mixed_bfloat16'`, its variables float32; fast where the
+            machine computes bfloat16 natively, emulated and slow where it
+            does not), or `'auto'`: bfloat16 where this machine's `'auto'`
+            policy is bfloat16 (native bfloat16 math: GPUs of compute
+            capability 8.0 and up, TPUs, CPUs with AVX512-BF16 or AMX),
+            float32 elsewhere.
 
     Attributes:
         heals: The `Heal`s so far, in order.
@@ -126,8 +150,21 @@ class OverflowHealer(keras.callbacks.Callback):
     'float32'
     """
 
-    def __init__(self, overflows: int = 3, window: int = 20, verbose: int = 1):
+    def __init__(
+        self,
+        overflows: int = 3,
+        window: int = 20,
+        verbose: int = 1,
+        to: str = "float32",
+    ):
         super().__init__()
+        if to not in _TARGETS:
+            raise ValueError(
+                "OverflowHealer(to=...) is what an overflowing layer moves to: "
+                f"one of {', '.join(repr(t) for t in _TARGETS)}. Received: {to!r}."
+            )
+        self.to = to
+        self._target = "float32"
         if not (isinstance(overflows, int) and overflows >= 1):
             raise ValueError(
                 "OverflowHealer(overflows=...) is how many forward overflows of "
@@ -154,6 +191,7 @@ class OverflowHealer(keras.callbacks.Callback):
         self._counter: tf.Variable | None = None
         self._counted = 0
         self._unattributed = 0
+        self._unmeasured: tuple | None = None  # (heal's index, layer)
         self.gave_up = False
 
     def _optimizer(self) -> optimizer_lib.LossScaleOptimizer:
@@ -185,6 +223,10 @@ class OverflowHealer(keras.callbacks.Callback):
                 "Compile it without run_eagerly to use the healer."
             )
         opt = self._optimizer()
+        self._target = self.to
+        if self.to == "auto":
+            bfloat16 = machine.resolve_auto().policy == "mixed_bfloat16"
+            self._target = "bfloat16" if bfloat16 else "float32"
         if not isinstance(self.model.train_function, train_function.TrainFunction):
             # kmp's train function ends the watch of a fit that ends without
             # on_train_end, and takes back a move whose step cannot trace.
@@ -218,6 +260,8 @@ class OverflowHealer(keras.callbacks.Callback):
         count = int(self._counter.numpy())
         overflows, self._counted = count - self._counted, count
         self.forward_overflows += overflows
+        if self._unmeasured is not None:
+            self._record_magnitude()
         if self.gave_up:
             return
         if not opt.loss_recorded:
@@ -289,25 +333,31 @@ class OverflowHealer(keras.callbacks.Callback):
         self._seen[path] = steps
         if len(steps) < self.overflows:
             return
-        if layer.compute_dtype == "float32":
+        if layer.compute_dtype != "float16":
             self._give_up(
-                f"kmp: {path!r} computes in float32 and still overflows at "
-                f"{op_name!r}: its values exceed float16's range where they "
-                "leave it. Check its weights and inputs for exploding values."
+                f"kmp: {path!r} computes in {layer.compute_dtype} and still "
+                f"overflows at {op_name!r}: its values exceed float16's range "
+                "where they leave it. Check its weights and inputs for exploding "
+                "values."
             )
             return
         before = quantization.snapshot(layer)
-        quantization.set_float_part(layer, "float32")
-        heal = Heal(path, self._step, op_name, len(steps))
+        quantization.set_float_part(layer, _POLICIES[self._target])
+        heal = Heal(path, self._step, op_name, len(steps), dtype=self._target)
         self.heals.append(heal)
-        applied_lib.healed[layer] = str(heal)
+        applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
         self._seen.clear()
         if self.verbose:
             print(f"kmp: {heal}")
+        # The next step (traced again, with the probe) measures what the
+        # layer's activations reach in float32.
+        self._probe.measure(self.model, [layer])
+        self._unmeasured = (len(self.heals) - 1, layer)
 
         def undo(error: str) -> None:
             quantization.restore(layer, before)
-            self.heals.remove(heal)
+            self.heals.pop()
+            self._unmeasured = None
             applied_lib.healed.pop(layer, None)
             self._give_up(
                 f"kmp: moving {path!r} to float32 left a training step that "
@@ -316,6 +366,19 @@ class OverflowHealer(keras.callbacks.Callback):
             )
 
         train_function.retrace(self.model, undo)
+
+    def _record_magnitude(self) -> None:
+        index, layer = self._unmeasured
+        self._unmeasured = None
+        peak = float(self._probe.peak.numpy())
+        self._probe.measure(self.model, [])  # at the next trace
+        if peak <= 0 or index >= len(self.heals):
+            return
+        heal = dataclasses.replace(self.heals[index], magnitude=peak)
+        self.heals[index] = heal
+        applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
+        if self.verbose:
+            print(f"kmp: {heal.layer!r} in float32: its activations reached {peak:.3g}")
 
     def _give_up(self, message: str) -> None:
         """An overflow no move fixes: said once, and from then on forward

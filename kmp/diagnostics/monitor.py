@@ -49,7 +49,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Values come from the batch logs, which Keras has already read from the
     device; the optimizer's per-variable overflow record is read only when
     the skip count went up. A layer that `kmp.callbacks.OverflowHealer`
-    moved to float32 is in the next record (`healed`, TensorBoard text
+    moved out of float16 is in the next record (`healed`, TensorBoard text
     `kmp/healed`, a dashed line in the plot).
 
     With `underflow_sample=(x, y)`, at each epoch's end it also measures
@@ -138,8 +138,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_total = 0
         self._last_logs: dict = {}
         self._warned = False
-        self._heals_seen: set[str] = set()
-        self._heals_count = -1  # entries of applied_lib.healed last looked at
+        self._heals_seen: set[int] = set()  # ids of the layers reported
+        self._heals_count = -1  # applied_lib.heal_writes() when last looked
         self._advised = False
         self._measured: float | None = None  # this epoch's measure
 
@@ -216,16 +216,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def _new_heals(self) -> tuple[str, ...]:
         """The moves OverflowHealer made in this model since the last look
-        (its layers are walked only when the record of moves grew)."""
-        if len(applied_lib.healed) == self._heals_count:
+        (its layers are walked only when a move was recorded since)."""
+        if applied_lib.heal_writes() == self._heals_count:
             return ()
-        self._heals_count = len(applied_lib.healed)
+        self._heals_count = applied_lib.heal_writes()
         found = []
         for site in traversal.walk(self.model):
-            text = applied_lib.healed.get(site.layer)
-            if text is not None and text not in self._heals_seen:
-                self._heals_seen.add(text)
-                found.append(text)
+            heal = applied_lib.healed.get(site.layer)
+            if heal is not None and id(site.layer) not in self._heals_seen:
+                self._heals_seen.add(id(site.layer))
+                found.append(heal[1])
         return tuple(found)
 
     def on_train_end(self, logs=None):

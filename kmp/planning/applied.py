@@ -34,10 +34,25 @@ model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 refused_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Layers `kmp.callbacks.OverflowHealer` moved to float32, {layer: what
-# happened}: their policy is theirs (a later `prepare` keeps it, as a
-# user's `dtype=`); the precision report says why it is so.
+# Layers `kmp.callbacks.OverflowHealer` moved out of float16, {layer: (the
+# float policy it moved to, what happened)}: their policy is theirs (a later
+# `prepare` keeps it, as a user's `dtype=`); the precision report says why
+# it is so while the layer keeps that policy.
 healed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_heal_writes = 0
+
+
+def note_heal(layer, float_part: str, text: str) -> None:
+    """Records (or updates) a layer's move in `healed`."""
+    global _heal_writes
+    healed[layer] = (float_part, text)
+    _heal_writes += 1
+
+
+def heal_writes() -> int:
+    """How many times `note_heal` was called in this process: it grows with
+    every move (a count of `healed` may not, as its layers are collected)."""
+    return _heal_writes
 
 
 def applied(layer: keras.layers.Layer) -> Applied | None:
