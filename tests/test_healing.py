@@ -326,3 +326,62 @@ def test_a_layer_moves_to_bfloat16_where_asked_or_where_auto_finds_it_native(
     assert model.get_layer("up").compute_dtype == expected
     with pytest.raises(ValueError, match="'float32', 'bfloat16', 'auto'"):
         kmp.callbacks.OverflowHealer(to="float16")
+
+
+class _StopAtEpoch(keras.callbacks.Callback):
+    """Interrupts fit at the start of an epoch, as a preempted job stops."""
+
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("preempted")
+
+
+def test_a_resumed_run_starts_with_the_layers_moved_and_no_new_overflow(tmp_path):
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+    record = tmp_path / "heals.json"
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, path=record)
+    with pytest.raises(RuntimeError, match="preempted"):
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[healer, backup, _StopAtEpoch(1)],
+        )
+    assert [h.layer for h in healer.heals] == ["up"] and record.exists()
+    # A fresh start: the model rebuilt by the same code (its 'up' in
+    # float16 again), weights and optimizer state from the backup, the
+    # moves from the healer's record, before the first step.
+    rebuilt = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    assert rebuilt.get_layer("up").compute_dtype == "float16"
+    again = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, path=record)
+    history = rebuilt.fit(
+        x, y, batch_size=32, epochs=3, verbose=0, callbacks=[again, backup]
+    )
+    assert len(history.history["loss"]) == 2  # resumed at epoch 2
+    assert rebuilt.get_layer("up").compute_dtype == "float32"
+    assert again.forward_overflows == 0
+    assert again.heals == healer.heals and again.heals[0].magnitude > 65504
+    assert "healed at step" in kmp.precision_report(rebuilt).row("up").rule
+    assert np.isfinite(history.history["loss"]).all()
+    # A record of another model is said, not applied blindly.
+    other = kmp.compile(ffn_model(1.0), optimizer="adam", loss="mse")
+    record.write_text(record.read_text().replace('"up"', '"gone"'))
+    with pytest.warns(UserWarning, match="does not have: gone"):
+        other.fit(
+            x,
+            y,
+            epochs=1,
+            verbose=0,
+            callbacks=[kmp.callbacks.OverflowHealer(verbose=0, path=record)],
+        )
+    with pytest.raises(ValueError, match="folder does not exist"):
+        kmp.callbacks.OverflowHealer(path=tmp_path / "no" / "heals.json")

@@ -198,3 +198,32 @@ def test_doctor_names_an_overflowing_layer_of_a_saved_model(tmp_path, capsys):
     assert "random inputs" in out and "activation range of" in out
     assert kmp_cli.main([*argv, "--sample", str(tmp_path / "x.csv")]) != 0
     assert "--sample must be" in capsys.readouterr().err
+
+
+def test_what_the_model_computes_in_float32_is_not_named():
+    # A LayerNormalization under mixed_float16 computes in float32 inside:
+    # its variance of inputs near 1e3 reaches 1e6 there, and cannot overflow
+    # float16; nor can the head kmp computes in float32. A Dense whose own
+    # output reaches 1e5 in float16 is named.
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(64, name="wide")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.Dense(64, name="big")(h)
+    model = kmp.prepare(keras.Model(inputs, keras.layers.Dense(4, name="head")(h)))
+    assert model.get_layer("head").compute_dtype == "float32"
+    wide, big = model.get_layer("wide"), model.get_layer("big")
+    wide.kernel.assign(wide.kernel * 300)  # |x| ~ 1e3 at the norm's input
+    big.kernel.assign(big.kernel * 5e4)  # its output passes 65504
+    x = sample(32)
+    assert np.abs(keras.Model(inputs, model.get_layer("wide").output)(x)).max() > 1e3
+    named = {
+        r.layer
+        for r in kmp.debug.precision_audit(model, sample=x).risks
+        if r.kind in ("float16 overflow", "near float16's range")
+    }
+    assert named == {"big"}
+    # Counting every op (what float16 would meet in each) names them all.
+    every = ranges.activation_ranges(model, x).above(kmp.debug.FLOAT16_MAX)
+    assert {"norm", "head", "big"} <= {r.path for r in every}

@@ -73,7 +73,9 @@ def _float(tensor) -> bool:
     return tensor.dtype.is_floating
 
 
-def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
+def activation_ranges(
+    model: keras.layers.Layer, x: Any, sixteen_bit_only: bool = False
+) -> Ranges:
     """Runs `model(x, training=False)` once with every layer in float32 and
     returns, per layer, the largest |value| its ops produced. A model that
     is not built is built first by a call on `x`, as its first call would.
@@ -81,6 +83,11 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
     Args:
         model: A Keras model (or layer) that can be called on `x`.
         x: A batch of inputs, as the model takes them.
+        sixteen_bit_only: Count only the ops that compute in 16-bit under
+            the layers' own policies (read from a trace of the same pass
+            under them; nothing runs): an op the model computes in float32
+            (inside a normalization layer, in a layer kept in float32)
+            cannot overflow float16.
 
     Returns:
         `Ranges`; its `error` says why when the model could not run on `x`.
@@ -103,6 +110,8 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
         for op in graph.get_operations():
             if op.type in tracing.DATA_OPS or tracing.reaches_softmax(op):
                 continue
+            if sixteen_bit_only and op.name not in kept:
+                continue
             for i, t in enumerate(op.outputs):
                 if not _float(t):
                     continue
@@ -112,12 +121,28 @@ def activation_ranges(model: keras.layers.Layer, x: Any) -> Ranges:
                 names.append(op.name if i == 0 else f"{op.name}:{i}")
         return maxima
 
+    def sixteen_bit_names(inputs):
+        model(inputs, training=False)
+        graph = tf.compat.v1.get_default_graph()
+        kept.clear()
+        kept.update(
+            op.name
+            for op in graph.get_operations()
+            if op.outputs and op.outputs[0].dtype in (tf.float16, tf.bfloat16)
+        )
+
     inputs = keras.tree.map_structure(tf.convert_to_tensor, x)
     if not model.built:
         # Built first, as its first call would build it (its layers under
         # their own policies), so that the float32 pass sees every layer.
         try:
             model(inputs, training=False)
+        except Exception as e:  # user code that cannot run on x: say why
+            return Ranges((), tracing.error_line(e))
+    kept: set[str] = set()
+    if sixteen_bit_only:
+        try:
+            tf.function(sixteen_bit_names).get_concrete_function(inputs)
         except Exception as e:  # user code that cannot run on x: say why
             return Ranges((), tracing.error_line(e))
     with float32_pass.every_layer_in_float32(model):

@@ -191,11 +191,12 @@ def precision_audit(
             if not any(r.kind == "16-bit output" for r in risks):
                 risks.extend(_output_risks(model, traced))
         risks.extend(_mixed_dtype_risks(model, traced))
-    if sample is not None:
-        range_risks, range_error = range_check(model, sample, headroom)
-        risks.extend(range_risks)
-        if range_error and not error:
-            error = f"it could not run on the sample ({range_error})"
+        if sample is not None:
+            # Under the policy audited: its 16-bit ops are the ones counted.
+            range_risks, range_error = range_check(model, sample, headroom)
+            risks.extend(range_risks)
+            if range_error and not error:
+                error = f"it could not run on the sample ({range_error})"
     return AuditReport(model.name, tuple(risks), error, fix)
 
 
@@ -204,8 +205,15 @@ def range_check(
 ) -> tuple[list[Risk], str]:
     """The layers whose activations on `sample` reach float16's limit (or
     `FLOAT16_MAX / headroom`), as risks, and why the pass could not run
-    (or `''`)."""
-    measured = ranges.activation_ranges(model, sample)
+    (or `''`). Where the model computes in 16-bit, only the ops that do are
+    counted (those it computes in float32, inside a normalization layer or
+    in a layer kept in float32, cannot overflow float16); a model that
+    computes all in float32 has every op counted (what float16 would meet)."""
+    sixteen = any(
+        str(layer.compute_dtype) in ("float16", "bfloat16")
+        for layer in [model] + [site.layer for site in traversal.walk(model)]
+    )
+    measured = ranges.activation_ranges(model, sample, sixteen_bit_only=sixteen)
     risks = []
     for r in measured.above(FLOAT16_MAX / headroom):
         over = r.max_abs >= FLOAT16_MAX

@@ -41,6 +41,8 @@ The layer's policy is the model's own, so `model.save` /
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import keras
 import tensorflow as tf
@@ -121,6 +123,12 @@ class OverflowHealer(keras.callbacks.Callback):
             policy is bfloat16 (native bfloat16 math: GPUs of compute
             capability 8.0 and up, TPUs, CPUs with AVX512-BF16 or AMX),
             float32 elsewhere.
+        path: A JSON file the moves are written to as they happen (its
+            folder must exist), and read back at the start of each `fit`: a
+            run resumed in a fresh process (`keras.callbacks.BackupAndRestore`
+            restores weights and optimizer state, not policies) on the model
+            rebuilt by your code starts with the same layers moved, before
+            its first step. None (the default): not kept.
 
     Attributes:
         heals: The `Heal`s so far, in order.
@@ -156,8 +164,18 @@ class OverflowHealer(keras.callbacks.Callback):
         window: int = 20,
         verbose: int = 1,
         to: str = "float32",
+        path: str | os.PathLike | None = None,
     ):
         super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        if self.path is not None and not os.path.isdir(
+            os.path.dirname(os.path.abspath(self.path))
+        ):
+            raise ValueError(
+                "OverflowHealer(path=...) is a JSON file to keep the moves in; "
+                f"its folder does not exist. Received: {self.path!r}. Create "
+                "the folder first (os.makedirs(folder, exist_ok=True))."
+            )
         if to not in _TARGETS:
             raise ValueError(
                 "OverflowHealer(to=...) is what an overflowing layer moves to: "
@@ -240,7 +258,50 @@ class OverflowHealer(keras.callbacks.Callback):
         self._last_overflow = 0
         self._unattributed = 0
         self._seen.clear()
+        self._restore()
         train_function.retrace(self.model)
+
+    def _restore(self) -> None:
+        """Moves again the layers `path` records (a resumed run)."""
+        if self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                kept = [Heal(**entry) for entry in json.load(f)["heals"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"OverflowHealer could not read its moves from {self.path!r} "
+                f"({type(e).__name__}: {e}). Expected the JSON file an "
+                "OverflowHealer wrote; delete it to start without them."
+            ) from e
+        layers = {site.path: site.layer for site in traversal.walk(self.model)}
+        missing = [h.layer for h in kept if h.layer not in layers]
+        if missing:
+            _warn.warn(
+                f"kmp: OverflowHealer's record {self.path!r} moves layers that "
+                f"{self.model.name!r} does not have: {', '.join(missing)}. Those "
+                "moves are left out; is it the record of another model?"
+            )
+        for heal in kept:
+            layer = layers.get(heal.layer)
+            if layer is None or layer.compute_dtype != "float16":
+                continue
+            quantization.set_float_part(layer, _POLICIES[heal.dtype])
+            applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
+            if heal not in self.heals:
+                self.heals.append(heal)
+            if self.verbose:
+                print(f"kmp: {heal.layer!r} moved to {heal.dtype} again ({heal})")
+
+    def _write(self) -> None:
+        """Writes the moves to `path` (whole, or not at all)."""
+        if self.path is None:
+            return
+        entries = [dataclasses.asdict(h) for h in self.heals]
+        temporary = f"{self.path}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump({"heals": entries}, f, indent=1)
+        os.replace(temporary, self.path)
 
     def on_train_end(self, logs=None):
         self._optimizer().watch_forward(None, keeps_scale=False)
@@ -353,12 +414,14 @@ class OverflowHealer(keras.callbacks.Callback):
         # layer's activations reach in float32.
         self._probe.measure(self.model, [layer])
         self._unmeasured = (len(self.heals) - 1, layer)
+        self._write()
 
         def undo(error: str) -> None:
             quantization.restore(layer, before)
             self.heals.pop()
             self._unmeasured = None
             applied_lib.healed.pop(layer, None)
+            self._write()
             self._give_up(
                 f"kmp: moving {path!r} to float32 left a training step that "
                 f"cannot be traced ({error}): code outside its call joins its "
@@ -377,6 +440,7 @@ class OverflowHealer(keras.callbacks.Callback):
         heal = dataclasses.replace(self.heals[index], magnitude=peak)
         self.heals[index] = heal
         applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
+        self._write()
         if self.verbose:
             print(f"kmp: {heal.layer!r} in float32: its activations reached {peak:.3g}")
 
