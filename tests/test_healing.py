@@ -262,7 +262,7 @@ class Residual(keras.layers.Layer):
         return x + self.up(x)
 
 
-def test_a_move_whose_step_cannot_trace_is_taken_back_and_said():
+def test_a_move_whose_step_cannot_trace_moves_the_enclosing_block_instead():
     x, y = data(128)
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((16,))
@@ -273,13 +273,46 @@ def test_a_move_whose_step_cannot_trace_is_taken_back_and_said():
     block.up.kernel.assign(block.up.kernel * 1e5)
     model = kmp.compile(model, optimizer="adam", loss="mse")
     healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[healer])
+    # 'block/up' alone in float32 leaves the block adding float32 to
+    # float16: the move is taken back and the block, whose code that is,
+    # moves with the layers inside it.
+    assert [(h.layer, h.sublayers) for h in healer.heals] == [("block", True)]
+    assert block.compute_dtype == block.up.compute_dtype == "float32"
+    assert not healer.gave_up
+    assert (
+        "with the layers inside it" in kmp.precision_report(model).row("block/up").rule
+    )
+    assert np.isfinite(history.history["loss"]).all()
+
+
+class OwnResidual(keras.Model):
+    """A subclassed model whose own call adds in raw TensorFlow."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = keras.layers.Dense(16, name="up")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x):
+        return self.head(x + self.up(x))
+
+
+def test_a_move_no_enclosing_layer_can_take_is_taken_back_and_said():
+    x, y = data(128)
+    kmp.set_policy("mixed_float16")
+    model = OwnResidual()
+    model(x[:1])
+    model.up.kernel.assign(model.up.kernel * 1e5)
+    model = kmp.compile(model, optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
     with pytest.warns(UserWarning, match="cannot be traced"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[healer])
-    # 'block/up' in float32 leaves the block adding float32 to float16: the
-    # move is taken back, and the overflows lower the scale again.
+    # The add is the model's own code: no layer to move. The move is taken
+    # back, and the overflows lower the scale again.
     assert healer.gave_up and not healer.heals
-    assert block.up.compute_dtype == "float16"
-    assert "healed" not in kmp.precision_report(model).row("block/up").rule
+    assert model.up.compute_dtype == "float16"
+    assert "healed" not in kmp.precision_report(model).row("up").rule
     assert scale_of(model) < model.optimizer.config.initial_scale
 
 
@@ -385,3 +418,53 @@ def test_a_resumed_run_starts_with_the_layers_moved_and_no_new_overflow(tmp_path
         )
     with pytest.raises(ValueError, match="folder does not exist"):
         kmp.callbacks.OverflowHealer(path=tmp_path / "no" / "heals.json")
+
+
+@pytest.mark.slow
+def test_a_keras_hub_llama_whose_feed_forward_overflows_heals_and_trains():
+    keras_hub = pytest.importorskip("keras_hub")
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    vocab = 64
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=vocab,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    # The first block's gate and up projections scaled up, as weights
+    # pretrained in bfloat16 can be: their product (the block's own code)
+    # overflows float16.
+    block = backbone.get_layer("transformer_layer_0")
+    for dense in (block._feedforward_gate_dense, block._feedforward_intermediate_dense):
+        dense.kernel.assign(dense.kernel * 3000.0)
+    kmp.compile(
+        lm,
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, vocab, (32, 12)).astype("int32"),
+        "padding_mask": np.ones((32, 12), "int32"),
+    }
+    y = np.roll(x["token_ids"], -1, axis=1)
+    # Foreseen before training: the audit names the block.
+    risks = kmp.debug.precision_audit(lm, sample=x).risks
+    assert "llama_backbone/transformer_layer_0" in {
+        r.layer for r in risks if r.kind == "float16 overflow"
+    }
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    history = lm.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[healer])
+    assert [(h.layer, h.sublayers) for h in healer.heals] == [
+        ("llama_backbone/transformer_layer_0", True)
+    ]
+    assert healer.heals[0].magnitude > 65504 and not healer.gave_up
+    assert block._feedforward_gate_dense.compute_dtype == "float32"
+    # What is outside the block stays in float16.
+    assert backbone.get_layer("sequence_output_layernorm").compute_dtype == "float16"
+    assert np.isfinite(history.history["loss"][-1])
+    assert healer.forward_overflows == int(lm.optimizer.skipped_steps_total) <= 2

@@ -78,6 +78,8 @@ class Heal:
             move, in the step after it (what overflowed float16, 65504);
             None until that step ran.
         dtype: What it computes in since (`'float32'`, or `'bfloat16'`).
+        sublayers: Whether the layers inside it moved with it (the op that
+            overflowed is in its own code, which joins their outputs).
     """
 
     layer: str
@@ -86,6 +88,7 @@ class Heal:
     overflows: int
     magnitude: float | None = None
     dtype: str = "float32"
+    sublayers: bool = False
 
     def __str__(self) -> str:
         reached = (
@@ -93,8 +96,10 @@ class Heal:
             if self.magnitude is None
             else f"; in {self.dtype} its activations reached {self.magnitude:.3g}"
         )
+        inside = " with the layers inside it" if self.sublayers else ""
         return (
-            f"healed at step {self.step}: {self.layer!r} moved to {self.dtype} "
+            f"healed at step {self.step}: {self.layer!r}{inside} moved to "
+            f"{self.dtype} "
             f"(its output overflowed float16 in {self.overflows} "
             f"step{'s' if self.overflows != 1 else ''}, at {self.op}{reached})"
         )
@@ -284,10 +289,11 @@ class OverflowHealer(keras.callbacks.Callback):
             )
         for heal in kept:
             layer = layers.get(heal.layer)
-            if layer is None or layer.compute_dtype != "float16":
+            if layer is None:
                 continue
-            quantization.set_float_part(layer, _POLICIES[heal.dtype])
-            applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
+            unit = _unit(layer) if heal.sublayers else [layer]
+            if not _move(unit, heal.dtype, str(heal)):
+                continue  # moved already (this process)
             if heal not in self.heals:
                 self.heals.append(heal)
             if self.verbose:
@@ -304,6 +310,11 @@ class OverflowHealer(keras.callbacks.Callback):
         os.replace(temporary, self.path)
 
     def on_train_end(self, logs=None):
+        if self._unmeasured is not None:
+            # A move after the last step: said without its magnitude.
+            if self.verbose:
+                print(f"kmp: {self.heals[self._unmeasured[0]]}")
+            self._unmeasured = None
         self._optimizer().watch_forward(None, keeps_scale=False)
         self._state = WATCHING
         train_function.retrace(self.model)
@@ -394,7 +405,8 @@ class OverflowHealer(keras.callbacks.Callback):
         self._seen[path] = steps
         if len(steps) < self.overflows:
             return
-        if layer.compute_dtype != "float16":
+        unit = _unit(layer)
+        if not any(part.compute_dtype == "float16" for part in unit):
             self._give_up(
                 f"kmp: {path!r} computes in {layer.compute_dtype} and still "
                 f"overflows at {op_name!r}: its values exceed float16's range "
@@ -402,30 +414,50 @@ class OverflowHealer(keras.callbacks.Callback):
                 "values."
             )
             return
-        before = quantization.snapshot(layer)
-        quantization.set_float_part(layer, _POLICIES[self._target])
-        heal = Heal(path, self._step, op_name, len(steps), dtype=self._target)
-        self.heals.append(heal)
-        applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
         self._seen.clear()
-        if self.verbose:
-            print(f"kmp: {heal}")
+        self._heal(chain, len(chain) - 1, op_name, len(steps), [])
+
+    def _heal(self, chain: list, depth: int, op_name: str, overflows: int, tried):
+        """Moves `chain[depth]` (with the layers inside it where it holds
+        any) and has the step traced again. Where that step cannot be traced
+        (code outside the layer joins its output with a 16-bit tensor), the
+        move is taken back and the enclosing layer, whose code that is,
+        moved instead; where there is none, the healer gives up."""
+        layer = chain[depth]
+        path = _path_of(self.model, layer)
+        unit = _unit(layer)
+        heal = Heal(
+            path,
+            self._step,
+            op_name,
+            overflows,
+            dtype=self._target,
+            sublayers=len(unit) > 1,
+        )
+        moved = _move(unit, self._target, str(heal))
+        self.heals.append(heal)
         # The next step (traced again, with the probe) measures what the
-        # layer's activations reach in float32.
+        # layer's activations reach after the move, and confirms it.
         self._probe.measure(self.model, [layer])
         self._unmeasured = (len(self.heals) - 1, layer)
         self._write()
 
         def undo(error: str) -> None:
-            quantization.restore(layer, before)
+            for part, before in reversed(moved):
+                quantization.restore(part, before)
+                applied_lib.healed.pop(part, None)
             self.heals.pop()
             self._unmeasured = None
-            applied_lib.healed.pop(layer, None)
             self._write()
+            if depth > 0:
+                self._heal(chain, depth - 1, op_name, overflows, [*tried, path])
+                return
+            paths = ", then ".join(repr(p) for p in [*tried, path])
             self._give_up(
-                f"kmp: moving {path!r} to float32 left a training step that "
-                f"cannot be traced ({error}): code outside its call joins its "
-                "output with a 16-bit tensor. It keeps its precision."
+                f"kmp: moving {paths} to {self._target} left a training step "
+                f"that cannot be traced ({error}): code outside the layer, in "
+                f"{self.model.name!r}'s own call, joins its output with a 16-bit "
+                "tensor. It keeps its precision."
             )
 
         train_function.retrace(self.model, undo)
@@ -435,14 +467,18 @@ class OverflowHealer(keras.callbacks.Callback):
         self._unmeasured = None
         peak = float(self._probe.peak.numpy())
         self._probe.measure(self.model, [])  # at the next trace
-        if peak <= 0 or index >= len(self.heals):
+        if peak <= 0:
+            if self.verbose:
+                print(f"kmp: {self.heals[index]}")
             return
         heal = dataclasses.replace(self.heals[index], magnitude=peak)
         self.heals[index] = heal
-        applied_lib.note_heal(layer, quantization.float_part(layer), str(heal))
+        for part in _unit(layer) if heal.sublayers else [layer]:
+            if part in applied_lib.healed:
+                applied_lib.note_heal(part, quantization.float_part(part), str(heal))
         self._write()
         if self.verbose:
-            print(f"kmp: {heal.layer!r} in float32: its activations reached {peak:.3g}")
+            print(f"kmp: {heal}")
 
     def _give_up(self, message: str) -> None:
         """An overflow no move fixes: said once, and from then on forward
@@ -456,6 +492,27 @@ class OverflowHealer(keras.callbacks.Callback):
         self._state = WATCHING
         self._optimizer().watch_forward(None, keeps_scale=False, counter=self._counter)
         train_function.retrace(self.model)
+
+
+def _unit(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """What moves when an op of `layer`'s own call overflows: the layer,
+    and with it every layer inside it. An op of a block's own code joins
+    its sublayers' outputs (a gate times a projection, a residual add): in
+    float32 only if they are."""
+    return [layer] + [site.layer for site in traversal.walk(layer)]
+
+
+def _move(unit: list, dtype: str, text: str) -> list[tuple]:
+    """Moves the layers of `unit` that compute in float16 to `dtype`, each
+    recorded as healed with `text`; returns (layer, its policy before)."""
+    moved = []
+    for part in unit:
+        if part.compute_dtype != "float16":
+            continue
+        moved.append((part, quantization.snapshot(part)))
+        quantization.set_float_part(part, _POLICIES[dtype])
+        applied_lib.note_heal(part, quantization.float_part(part), text)
+    return moved
 
 
 def _path_of(model: keras.layers.Layer, layer: keras.layers.Layer) -> str:

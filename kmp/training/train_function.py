@@ -169,15 +169,19 @@ class TrainFunction:
     def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
         """The first step after a change that came with an undo (see
         `retrace`)."""
-        undo, self._undo = self._undo, None
-        try:
-            return self._inner(iterator)
-        except (TypeError, tf.errors.InvalidArgumentError) as e:
-            if not (tracing.mixes_dtypes(e) and _from_fit(iterator)):
-                raise
-            undo(tracing.error_line(e))
-            self._inner = self._keras_function(model)
-            return self._inner(iterator)
+        while True:
+            undo, self._undo = self._undo, None
+            try:
+                return self._inner(iterator)
+            except (TypeError, tf.errors.InvalidArgumentError) as e:
+                retry = tracing.mixes_dtypes(e) and _from_fit(iterator)
+                if undo is None or not retry:
+                    raise
+                # Taken back; the undo may make another change, with its own
+                # undo (`retrace`), which is tried next.
+                undo(tracing.error_line(e))
+                if self._undo is None:
+                    self._inner = self._keras_function(model)
 
     def retrace(self, undo: Callable[[str], None] | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
@@ -189,7 +193,9 @@ class TrainFunction:
                 joins with a 16-bit tensor), a function that takes it back,
                 given the error's line: when the next step from `fit` fails
                 so in its trace (which did not advance fit's iterator), it
-                is called and the step traced and run again.
+                is called and the step traced and run again (where the undo
+                makes another change with its own undo, that is tried the
+                same way).
         """
         if self._inner is not None:
             self._inner = self._keras_function(self._model())
