@@ -468,3 +468,31 @@ def test_a_keras_hub_llama_whose_feed_forward_overflows_heals_and_trains():
     assert backbone.get_layer("sequence_output_layernorm").compute_dtype == "float16"
     assert np.isfinite(history.history["loss"][-1])
     assert healer.forward_overflows == int(lm.optimizer.skipped_steps_total) <= 2
+
+
+@pytest.mark.slow
+def test_the_overflow_healing_example_foresees_diagnoses_heals_and_keeps_the_move():
+    import contextlib
+    import io
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "overflow_healing.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="__main__")
+    text = out.getvalue()
+    # 1: the audit names the layer; 2: the guard names it as a forward
+    # overflow; 3: the healer moves it early and the loss falls; 4: the
+    # move survives a save and load, with no new overflow.
+    audit = text.split("\n2. ")[0]
+    assert "ffn_up: its" in audit and "float16's largest value" in audit
+    assert "the loss itself is inf/NaN" in text and "layer 'ffn_up'" in text
+    assert "'ffn_up' moved to float32" in text
+    step = int(text.split("healed at step ")[1].split(":")[0])
+    assert step <= 50
+    first, last = (
+        float(v) for v in text.split("   loss ")[1].split(",")[0].split(" -> ")
+    )
+    assert last < 0.6 * first
+    assert "ffn_up computes in float32; forward overflows after the resume: 0" in text
