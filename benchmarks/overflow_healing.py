@@ -14,8 +14,10 @@ Each variant trains from the same weights on the same batches (synthetic
 tokens, the label a noisy function of them), Adam 1e-3, and reports: the
 final training loss (the mean of the last epoch's applied steps), the loss
 on a held-out set afterwards (the comparison), the skipped steps, the final loss
-scale, the heals (layer, step), and the median time of a step after the
-last heal. A fifth row trains the same model with its weights not scaled
+scale, the heals (layer, step, what its activations reached in float32),
+the fraction of gradient values float16 flushes to zero at the final scale
+(`kmp.debug.gradient_underflow`, kmp's variants), and the median time of a
+step after the last heal. A fifth row trains the same model with its weights not scaled
 under kmp's mixed_float16: what float16 reaches on this task with no
 overflow at all, the fair reference for the healed run. Plain Keras under
 mixed_float16 runs at its float16 CPU speed, so it is given only the first
@@ -142,8 +144,16 @@ def run(variant: str, epochs: int, steps: int, batch: int) -> dict:
         "held-out loss": model.evaluate(*held_out, verbose=0, batch_size=batch),
         "skipped": skipped,
         "scale": scale,
-        "heals": [(h.layer, h.step) for h in healer.heals] if healer else [],
+        "heals": [(h.layer, h.step, float(f"{h.magnitude:.3g}")) for h in healer.heals]
+        if healer
+        else [],
         "ms/step": 1000 * statistics.median(times[after + 1 :] or times),
+        # What float16 loses of the gradients at the scale reached.
+        "underflow": kmp.debug.gradient_underflow(
+            model, x[:256], y[:256]
+        ).flushed_fraction
+        if isinstance(optimizer, kmp.LossScaleOptimizer) and policy != "float32"
+        else None,
     }
 
 
@@ -158,15 +168,17 @@ def main() -> None:
     train_ref, held_ref = rows[0]["final loss"], rows[0]["held-out loss"]
     print(
         "| variant | epochs | final training loss (vs float32) | held-out loss "
-        "(vs float32) | skipped | loss scale | heals (layer, step) | ms/step |"
+        "(vs float32) | skipped | loss scale | heals (layer, step, activations "
+        "reached) | gradient values flushed at that scale | ms/step |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['variant']} | {r['epochs']} | {r['final loss']:.4g} "
             f"({r['final loss'] / train_ref:.3f}) | {r['held-out loss']:.4g} "
             f"({r['held-out loss'] / held_ref:.3f}) | "
             f"{r['skipped']} | {r['scale']} | {r['heals'] or '-'} | "
+            f"{'-' if r['underflow'] is None else format(r['underflow'], '.2%')} | "
             f"{r['ms/step']:.1f} |"
         )
 

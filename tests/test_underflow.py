@@ -162,6 +162,12 @@ def test_bad_input_is_refused_with_the_fix():
     assert "Gradient underflow not measured" in str(
         kmp.debug.gradient_underflow(model, np.ones((4, 3)), y)
     )
+    # In the monitor: said once, and training goes on unmeasured.
+    monitor = kmp.callbacks.LossScaleMonitor(underflow_sample=(np.ones((4, 3)), y))
+    with pytest.warns(UserWarning, match="training goes on without it"):
+        history = model.fit(x, y, epochs=2, verbose=0, callbacks=[monitor])
+    assert len(history.history["loss"]) == 2 and not monitor.underflows
+    assert "gradient_underflow" not in history.history
 
 
 def test_the_report_shows_the_underflow_per_layer():

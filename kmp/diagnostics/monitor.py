@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 
+from kmp._base import warn as _warn
 from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
 from kmp.diagnostics import debug
@@ -142,6 +143,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._heals_count = -1  # applied_lib.heal_writes() when last looked
         self._advised = False
         self._measured: float | None = None  # this epoch's measure
+        self._unmeasurable = False  # the sample could not run: said once
 
     def _optimizer(self):
         optimizers = registry.optimizers_of(self.model)
@@ -178,7 +180,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._step = self._epoch_start + batch + 1
         self._last_logs = dict(logs or {})
         steps = (self.params or {}).get("steps")
-        if self.underflow_sample is not None and steps and batch + 1 >= steps:
+        if self._measures() and steps and batch + 1 >= steps:
             # The epoch's last step: measured in its own record.
             self._measured = self._measure_underflow()
             self._record(self._measured)
@@ -186,33 +188,47 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._record()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.underflow_sample is not None and self._measured is None:
-            # An epoch of unknown length: measured at its end, in the record
-            # of its last step (written again, with the measure, where that
-            # step was recorded already).
+        if self._measures() and self._measured is None:
+            # An epoch of unknown length: measured at its end.
             self._measured = self._measure_underflow()
-            self._record(self._measured, again=self._step == self._last_recorded)
-        elif self._step > self._last_recorded:
-            self._record()  # the epoch's tail: nothing is left uncounted
+        if self._step > self._last_recorded:
+            # The epoch's tail (nothing is left uncounted), with the measure.
+            self._record(self._measured)
+        elif self._measured is not None and (
+            self.records and self.records[-1].gradient_underflow is None
+        ):
+            # Its last step was recorded already: written again, with it.
+            self._record(self._measured, again=True)
         if self._measured is not None and logs is not None:
             logs["gradient_underflow"] = self._measured
         if self._writer is not None:
             self._writer.flush()
 
-    def _measure_underflow(self) -> float:
-        result = underflow.gradient_underflow(self.model, *self.underflow_sample)
+    def _measure_underflow(self) -> float | None:
+        """This epoch's measure; None, said once, where the sample cannot
+        run (training goes on, unmeasured)."""
+        try:
+            result = underflow.gradient_underflow(self.model, *self.underflow_sample)
+        except ValueError as e:  # not compiled for a loss, and the like
+            result = underflow_lib.Underflow(1.0, (), str(e))
         if result.error:
-            raise ValueError(
-                "LossScaleMonitor could not measure gradient underflow on "
-                f"underflow_sample: {result.error}. Pass a batch the model trains "
-                "on: (x, y) or (x, y, sample_weight)."
+            _warn.warn(
+                "kmp.callbacks.LossScaleMonitor could not measure gradient "
+                f"underflow on underflow_sample ({result.error}); training goes "
+                "on without it. Pass a batch the model trains on: (x, y) or "
+                "(x, y, sample_weight)."
             )
+            self._unmeasurable = True
+            return None
         self.underflows.append((self._step, result))
         advice = result.advice()
         if advice and not self._advised:
             logger.warning("kmp.callbacks.LossScaleMonitor: %s", advice)
             self._advised = True
         return result.flushed_fraction
+
+    def _measures(self) -> bool:
+        return self.underflow_sample is not None and not self._unmeasurable
 
     def _new_heals(self) -> tuple[str, ...]:
         """The moves OverflowHealer made in this model since the last look
