@@ -496,3 +496,22 @@ def test_the_overflow_healing_example_foresees_diagnoses_heals_and_keeps_the_mov
     )
     assert last < 0.6 * first
     assert "ffn_up computes in float32; forward overflows after the resume: 0" in text
+
+
+def test_a_dataset_of_unknown_length_keeps_the_healer_watching_every_epoch():
+    x, y = data()
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(1.0), optimizer="adam", loss="mse")
+    # Unknown length: Keras's last call of each epoch meets the end of data.
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+
+    class BlowUp(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                up = self.model.get_layer("up")
+                up.kernel.assign(up.kernel * 1e5)
+
+    model.fit(dataset.batch(32), epochs=3, verbose=0, callbacks=[BlowUp(), healer])
+    assert [h.layer for h in healer.heals] == ["up"]
+    assert healer.forward_overflows >= 1

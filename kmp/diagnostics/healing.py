@@ -322,13 +322,18 @@ class OverflowHealer(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._batches = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # Before every call of the train function, the one that meets the
+        # end of a dataset of unknown length too (Keras calls no batch end
+        # for it).
+        self._optimizer().renew_forward_watch()
+
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (steps_per_execution may be
         # more than one), counted in the epoch from 0.
         self._step += max(1, batch + 1 - self._batches)
         self._batches = batch + 1
         opt = self._optimizer()
-        opt.renew_forward_watch()
         count = int(self._counter.numpy())
         overflows, self._counted = count - self._counted, count
         self.forward_overflows += overflows
