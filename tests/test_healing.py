@@ -2,6 +2,8 @@
 float16 moves to float32 while `fit` runs, the loss scale untouched by
 those overflows, the move kept by `model.save`."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -284,6 +286,62 @@ def test_a_move_whose_step_cannot_trace_moves_the_enclosing_block_instead():
         "with the layers inside it" in kmp.precision_report(model).row("block/up").rule
     )
     assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_move_is_checked_at_once_so_validation_right_after_it_runs(tmp_path):
+    x, y = data(64)
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    block = Residual(name="block")
+    h = keras.layers.LayerNormalization(name="norm")(block(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    block.up.kernel.assign(block.up.kernel * 1e5)
+    model = kmp.compile(model, optimizer="adam", loss="mse")
+    record = tmp_path / "heals.json"
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, path=record)
+    # One step per epoch: the move after it is followed by validation, not
+    # by a training step. 'block/up' alone in float32 leaves a forward pass
+    # that cannot be traced; it is taken back before validation traces it,
+    # and never written to the record.
+    history = model.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=2,
+        validation_data=(x, y),
+        verbose=0,
+        callbacks=[healer],
+    )
+    assert [(h.layer, h.sublayers) for h in healer.heals] == [("block", True)]
+    assert json.loads(record.read_text())["heals"][0]["layer"] == "block"
+    assert len(json.loads(record.read_text())["heals"]) == 1
+    assert np.isfinite(history.history["val_loss"][-1])
+
+
+def test_a_record_whose_moves_the_model_cannot_trace_is_taken_back(tmp_path):
+    x, y = data(64)
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    block = Residual(name="block")
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(block(inputs)))
+    model = kmp.compile(model, optimizer="adam", loss="mse")
+    record = tmp_path / "heals.json"
+    entry = {"layer": "block/up", "step": 3, "op": "MatMul", "overflows": 1}
+    record.write_text(json.dumps({"heals": [entry]}))
+    healer = kmp.callbacks.OverflowHealer(verbose=0, path=record)
+    with pytest.warns(UserWarning, match="taken back"):
+        history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
+    assert block.up.compute_dtype == "float16" and not healer.heals
+    assert np.isfinite(history.history["loss"]).all()
+    # A move to a dtype the healer does not make is refused with the fix.
+    record.write_text(json.dumps({"heals": [{**entry, "dtype": "float8"}]}))
+    with pytest.raises(ValueError, match=r"'float8'.*delete it"):
+        model.fit(
+            x,
+            y,
+            verbose=0,
+            callbacks=[kmp.callbacks.OverflowHealer(verbose=0, path=record)],
+        )
 
 
 class OwnResidual(keras.Model):

@@ -125,6 +125,28 @@ def test_the_measure_changes_nothing_of_the_model():
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_a_measured_model_is_freed_and_a_new_loss_is_measured_anew():
+    import gc
+    import weakref
+
+    kmp.set_policy("mixed_float16")
+    x, y = spanning_data()
+    model = spanning_model()
+    mse = kmp.debug.gradient_underflow(model, x, y, scale=1.0)
+    # Compiled again with another loss: measured with that loss, not with
+    # the measure traced for the first.
+    model.compile(loss=lambda t, p: 1e4 * keras.ops.mean(keras.ops.square(t - p)))
+    larger = kmp.debug.gradient_underflow(model, x, y, scale=1.0)
+    assert larger.layers[0].max_scaled == pytest.approx(
+        1e4 * mse.layers[0].max_scaled, rel=1e-3
+    )
+    # The measure keeps no hold on the model.
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_the_advice_says_a_larger_scale_or_float32():
     kmp.set_policy("mixed_float16")
     model = spanning_model()

@@ -329,6 +329,19 @@ def trace(model: keras.layers.Layer) -> Trace:
     return Trace(result, outs)
 
 
+def mixed_dtypes_error(model: keras.layers.Layer) -> str | None:
+    """Why `model(x, training=False)` cannot be traced for its input shapes
+    where the cause is an op that meets mixed float dtypes (a layer moved
+    to float32 whose output raw TensorFlow joins with a 16-bit tensor), as
+    the error's line; None where it traces, fails otherwise, or cannot be
+    traced by kmp (no input shapes kmp can read). Nothing runs."""
+    specs = _input_specs(model)
+    if specs is None:
+        return None
+    _, error, _ = _concrete(model, specs)
+    return error if error is not None and mixes_dtypes(error) else None
+
+
 def _concrete(model, specs):
     """(the concrete function of `model(x, training=False)`, None, ''), or
     (None, why it could not be traced, where in user code)."""

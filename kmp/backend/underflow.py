@@ -43,6 +43,23 @@ NOTABLE = 0.01
 _FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _identity(loss: Any) -> Any:
+    """What tells the loss a model was compiled with from another, holding
+    none of it (a loss function may hold the model): weak references to
+    functions and Loss objects, strings as they are, containers by their
+    parts."""
+    if isinstance(loss, (str, type(None), int, float)):
+        return loss
+    if isinstance(loss, (list, tuple)):
+        return tuple(_identity(part) for part in loss)
+    if isinstance(loss, dict):
+        return tuple((k, _identity(v)) for k, v in loss.items())
+    try:
+        return weakref.ref(loss)
+    except TypeError:
+        return id(loss)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerUnderflow:
     """What one layer's gradients lose in its 16-bit dtype at a scale.
@@ -285,7 +302,10 @@ def gradient_underflow(
         for i in indices:
             bounds[i] = limits[dtype]
 
+    held = weakref.ref(model)  # the cache holds the function, not the model
+
     def counts(x, y, sample_weight, scale):
+        model = held()
         trainable = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
         metrics = [v.value for v in model.metrics_variables]
@@ -329,8 +349,10 @@ def gradient_underflow(
         return tf.stack(counted), tf.stack(maxima)
 
     key = (
+        _identity(getattr(model, "loss", None)),
         len(model.trainable_variables),
         len(model.non_trainable_variables),
+        len(model.metrics_variables),
         tuple((path, dtype, tuple(indices)) for path, _, indices, dtype in owned),
     )
     cached = _FUNCTIONS.get(model)

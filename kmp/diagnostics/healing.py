@@ -23,9 +23,13 @@ the floor and training stalls. The healer tells the two apart and acts:
    in turn. After `window` steps without a forward overflow it stops
    diagnosing and the step is traced once more without the probe.
 
-A move whose step then cannot be traced (code outside the layer joins its
-float32 output with a 16-bit tensor) is taken back by kmp's train function
-before that step runs, and the healer gives up (below). Its hold on the
+A move is checked at once by a trace of the forward pass (nothing runs),
+so that validation, `evaluate` or `predict` right after it trace a model
+that works. Where code outside the layer joins its float32 output with a
+16-bit tensor (the forward pass, or only a `train_step` of the model's own,
+cannot be traced), the move is taken back before any step runs with it,
+and the enclosing layer, whose code that is, moves instead; where there is
+none, the healer gives up (below). Its hold on the
 optimizer (`watch_forward`) is renewed after each call of the train
 function, so a `fit` that ends without `on_train_end` leaves none behind.
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -50,6 +55,7 @@ import tensorflow as tf
 from kmp._base import warn as _warn
 from kmp.backend import machine
 from kmp.backend import probe as probe_lib
+from kmp.backend import tracing
 from kmp.planning import applied as applied_lib
 from kmp.precision import quantization
 from kmp.precision import traversal
@@ -133,7 +139,9 @@ class OverflowHealer(keras.callbacks.Callback):
             run resumed in a fresh process (`keras.callbacks.BackupAndRestore`
             restores weights and optimizer state, not policies) on the model
             rebuilt by your code starts with the same layers moved, before
-            its first step. None (the default): not kept.
+            its first step. A recorded move the model's step cannot be
+            traced with (another version of the model) is taken back, with
+            a warning. None (the default): not kept.
 
     Attributes:
         heals: The `Heal`s so far, in order.
@@ -263,16 +271,49 @@ class OverflowHealer(keras.callbacks.Callback):
         self._last_overflow = 0
         self._unattributed = 0
         self._seen.clear()
-        self._restore()
-        train_function.retrace(self.model)
-
-    def _restore(self) -> None:
-        """Moves again the layers `path` records (a resumed run)."""
-        if self.path is None or not os.path.exists(self.path):
+        restored = self._restore()
+        if not restored:
+            train_function.retrace(self.model)
             return
+        # Checked at once, and again by the first training step.
+        error = tracing.mixed_dtypes_error(self.model)
+        if error is None:
+            train_function.retrace(self.model, self._taking_back(restored))
+        else:
+            self._taking_back(restored)(error)
+            train_function.retrace(self.model)
+
+    def _taking_back(self, restored: list) -> Callable[[str], None]:
+        """What takes back the moves `_restore` made again, and says so."""
+
+        def undo(error: str) -> None:
+            for heal, moved in reversed(restored):
+                _take_back(moved)
+                if heal in self.heals:
+                    self.heals.remove(heal)
+            _warn.warn(
+                f"kmp: OverflowHealer's record {self.path!r} moves layers of "
+                f"{self.model.name!r} that its training step cannot be traced "
+                f"with ({error}); those moves are taken back. Is it the record "
+                "of another version of the model?"
+            )
+
+        return undo
+
+    def _restore(self) -> list[tuple]:
+        """Moves again the layers `path` records (a resumed run); returns
+        (heal, what `_move` moved) for each move it made."""
+        if self.path is None or not os.path.exists(self.path):
+            return []
         try:
             with open(self.path, encoding="utf-8") as f:
                 kept = [Heal(**entry) for entry in json.load(f)["heals"]]
+            unknown = sorted({h.dtype for h in kept} - set(_POLICIES))
+            if unknown:
+                raise ValueError(
+                    f"a move to {unknown[0]!r}, where moves are to "
+                    f"{' or '.join(repr(d) for d in _POLICIES)}"
+                )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"OverflowHealer could not read its moves from {self.path!r} "
@@ -287,17 +328,21 @@ class OverflowHealer(keras.callbacks.Callback):
                 f"{self.model.name!r} does not have: {', '.join(missing)}. Those "
                 "moves are left out; is it the record of another model?"
             )
+        restored = []
         for heal in kept:
             layer = layers.get(heal.layer)
             if layer is None:
                 continue
             unit = _unit(layer) if heal.sublayers else [layer]
-            if not _move(unit, heal.dtype, str(heal)):
+            moved = _move(unit, heal.dtype, str(heal))
+            if not moved:
                 continue  # moved already (this process)
+            restored.append((heal, moved))
             if heal not in self.heals:
                 self.heals.append(heal)
             if self.verbose:
                 print(f"kmp: {heal.layer!r} moved to {heal.dtype} again ({heal})")
+        return restored
 
     def _write(self) -> None:
         """Writes the moves to `path` (whole, or not at all)."""
@@ -440,20 +485,8 @@ class OverflowHealer(keras.callbacks.Callback):
             sublayers=len(unit) > 1,
         )
         moved = _move(unit, self._target, str(heal))
-        self.heals.append(heal)
-        # The next step (traced again, with the probe) measures what the
-        # layer's activations reach after the move, and confirms it.
-        self._probe.measure(self.model, [layer])
-        self._unmeasured = (len(self.heals) - 1, layer)
-        self._write()
 
-        def undo(error: str) -> None:
-            for part, before in reversed(moved):
-                quantization.restore(part, before)
-                applied_lib.healed.pop(part, None)
-            self.heals.pop()
-            self._unmeasured = None
-            self._write()
+        def instead(error: str) -> None:
             if depth > 0:
                 self._heal(chain, depth - 1, op_name, overflows, [*tried, path])
                 return
@@ -464,6 +497,31 @@ class OverflowHealer(keras.callbacks.Callback):
                 f"{self.model.name!r}'s own call, joins its output with a 16-bit "
                 "tensor. It keeps its precision."
             )
+
+        # Checked at once by a trace of the forward pass (nothing runs):
+        # validation, evaluate or predict may trace the model before the
+        # next training step does.
+        error = tracing.mixed_dtypes_error(self.model)
+        if error is not None:
+            _take_back(moved)
+            instead(error)
+            return
+        self.heals.append(heal)
+        # The next step (traced again, with the probe) measures what the
+        # layer's activations reach after the move.
+        self._probe.measure(self.model, [layer])
+        self._unmeasured = (len(self.heals) - 1, layer)
+        self._write()
+
+        def undo(error: str) -> None:
+            # The forward pass traced, the training step did not (a
+            # train_step of the model's own joins the output in raw
+            # TensorFlow).
+            _take_back(moved)
+            self.heals.pop()
+            self._unmeasured = None
+            self._write()
+            instead(error)
 
         train_function.retrace(self.model, undo)
 
@@ -518,6 +576,13 @@ def _move(unit: list, dtype: str, text: str) -> list[tuple]:
         quantization.set_float_part(part, _POLICIES[dtype])
         applied_lib.note_heal(part, quantization.float_part(part), text)
     return moved
+
+
+def _take_back(moved: list[tuple]) -> None:
+    """Gives the layers `_move` moved their policies back."""
+    for part, before in reversed(moved):
+        quantization.restore(part, before)
+        applied_lib.healed.pop(part, None)
 
 
 def _path_of(model: keras.layers.Layer, layer: keras.layers.Layer) -> str:
