@@ -2,7 +2,7 @@
 (the scale, skipped steps and overflow sources, to TensorBoard, CSV and a
 plot), `NonFiniteGuard` (a collapse detected at the step it happens, with
 its diagnosis) and `OverflowHealer` (a layer whose forward pass overflows
-float16 moved to float32 while training).
+float16 moved to float32, or bfloat16, while training).
 
 A public module of kmp's: it only re-exports, from where each name lives.
 """

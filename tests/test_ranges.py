@@ -227,3 +227,36 @@ def test_what_the_model_computes_in_float32_is_not_named():
     # Counting every op (what float16 would meet in each) names them all.
     every = ranges.activation_ranges(model, x).above(kmp.debug.FLOAT16_MAX)
     assert {"norm", "head", "big"} <= {r.path for r in every}
+
+
+class AddsFloat32(keras.layers.Layer):
+    """Adds a float32 constant in raw TensorFlow: runs in float32, fails
+    under float16 (mixed dtypes)."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.add(x, tf.constant(1.0, "float32"))
+
+
+def test_a_model_that_cannot_trace_in_16_bit_still_has_its_ranges_checked():
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(64, name="big")(inputs)
+    h = AddsFloat32(name="adds", dtype="float32")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    big = model.get_layer("big")
+    big.kernel.assign(big.kernel * 5e4)
+    # Built in float32; in float16 its raw add fails on mixed dtypes, so the
+    # model cannot be traced under its own policies. The range pass, in
+    # float32, runs: every op is counted, and that is said.
+    model.get_layer("adds").dtype_policy = "mixed_float16"
+    report = kmp.debug.precision_audit(model, sample=sample(32))
+    named = {r.layer: r for r in report if r.kind == "float16 overflow"}
+    assert "big" in named
+    assert "every op counted" in named["big"].detail
+    assert "AddV2" in named["big"].detail
+    # The layer's own dtype error names the mismatch, not its arguments.
+    (error,) = [r for r in report if r.layer == "adds" and r.kind == "dtype error"]
+    assert "half tensor but is a float tensor" in error.detail

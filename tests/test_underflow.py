@@ -234,14 +234,17 @@ def test_the_monitor_logs_underflow_each_epoch_and_the_heals(tmp_path):
     )
     healed = [r for r in monitor.records if r.healed]
     assert [h.layer for h in healer.heals] == ["up"]
-    assert len(healed) == 1 and "'up' moved to float32" in healed[0].healed[0]
+    # Recorded once a step ran with it, with what 'up' then reached.
+    assert len(healed) == 1 and healed[0].healed == (str(healer.heals[0]),)
+    assert healer.heals[0].magnitude > 65504 and "reached" in healed[0].healed[0]
+    assert healed[0].step > healer.heals[0].step
     rows = list(csv.DictReader(path.open()))
     assert len(rows) == len(monitor.records) == 16  # one row per step
-    assert [r["healed"] != "" for r in rows].count(True) == 1
+    assert [r["healed"] for r in rows if r["healed"]] == [str(healer.heals[0])]
     assert rows[7]["gradient_underflow"] != "" and rows[6]["gradient_underflow"] == ""
 
 
-def test_an_epoch_of_unknown_length_is_measured_at_its_end():
+def test_an_epoch_of_unknown_length_is_measured_at_its_end(tmp_path):
     kmp.set_policy("mixed_float16")
     model = kmp.compile(spanning_model(), optimizer="sgd", loss="mse")
     x, y = spanning_data()
@@ -257,12 +260,29 @@ def test_an_epoch_of_unknown_length_is_measured_at_its_end():
             tf.TensorSpec((None, 4), tf.float32),
         ),
     )
-    monitor = kmp.callbacks.LossScaleMonitor(underflow_sample=(x, y))
+    path = tmp_path / "log.csv"
+    monitor = kmp.callbacks.LossScaleMonitor(
+        underflow_sample=(x, y), csv_path=path, log_dir=tmp_path / "tb"
+    )
     history = model.fit(data, epochs=2, verbose=0, callbacks=[monitor])
     assert len(history.history["gradient_underflow"]) == 2
     # One record per step: the measure joined the last step's.
     assert [r.step for r in monitor.records] == list(range(1, 9))
     assert monitor.records[3].gradient_underflow is not None
+    # So does its CSV row, written again in its place, and TensorBoard has
+    # one value per step of each scalar.
+    rows = list(csv.DictReader(path.open()))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert [r["gradient_underflow"] != "" for r in rows] == [False, False, False,
+                                                             True] * 2  # fmt: skip
+    steps = {}
+    for event in tf.compat.v1.train.summary_iterator(
+        str(next((tmp_path / "tb").glob("events*")))
+    ):
+        for value in event.summary.value:
+            steps.setdefault(value.tag, []).append(event.step)
+    assert steps["kmp/loss"] == list(range(1, 9))
+    assert steps["kmp/gradient_underflow"] == [4, 8]
 
 
 def test_bfloat16_layers_are_measured_against_bfloat16_s_range():
@@ -274,3 +294,13 @@ def test_bfloat16_layers_are_measured_against_bfloat16_s_range():
     assert row.dtype == "bfloat16" and row.values > 0
     assert row.flushed == 0 and row.subnormal == 0
     assert row.headroom > 1e30
+
+
+def test_a_csv_with_other_columns_is_refused_before_training(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(
+        "step,epoch,loss,loss_scale,skipped,skipped_steps_total\n1,0,1,2,0,0\n"
+    )
+    with pytest.raises(ValueError, match=r"other columns.*new csv_path"):
+        kmp.callbacks.LossScaleMonitor(csv_path=path)
+    assert path.read_text().count("\n") == 2  # left as it was

@@ -59,10 +59,14 @@ class Ranges:
         layers: One `LayerRange` per layer that computed something, in
             forward order.
         error: Why the pass could not run, or `''`.
+        counted_all: Where only the 16-bit ops were asked for and the
+            model could not be traced under its own policies to find them,
+            why (then every op was counted); `''` otherwise.
     """
 
     layers: tuple[LayerRange, ...]
     error: str = ""
+    counted_all: str = ""
 
     def above(self, limit: float) -> list[LayerRange]:
         """The layers whose activations reached `limit`."""
@@ -87,7 +91,9 @@ def activation_ranges(
             the layers' own policies (read from a trace of the same pass
             under them; nothing runs): an op the model computes in float32
             (inside a normalization layer, in a layer kept in float32)
-            cannot overflow float16.
+            cannot overflow float16. Where the model cannot be traced under
+            them (a layer that fails in 16-bit), every op is counted and
+            `Ranges.counted_all` says why.
 
     Returns:
         `Ranges`; its `error` says why when the model could not run on `x`.
@@ -140,11 +146,13 @@ def activation_ranges(
         except Exception as e:  # user code that cannot run on x: say why
             return Ranges((), tracing.error_line(e))
     kept: set[str] = set()
+    counted_all = ""
     if sixteen_bit_only:
         try:
             tf.function(sixteen_bit_names).get_concrete_function(inputs)
-        except Exception as e:  # user code that cannot run on x: say why
-            return Ranges((), tracing.error_line(e))
+        except Exception as e:  # user code that fails in 16-bit: count all
+            sixteen_bit_only = False
+            counted_all = tracing.error_line(e)
     with float32_pass.every_layer_in_float32(model):
         try:
             values = tf.function(forward)(inputs)
@@ -163,4 +171,4 @@ def activation_ranges(
             if chain:  # the op's name inside its layer's scope
                 scope = "/".join(name.split("/")[len(chain) + 1 :])
             best[path] = LayerRange(path, type(layer).__name__, magnitude, scope)
-    return Ranges(tuple(best.values()))
+    return Ranges(tuple(best.values()), counted_all=counted_all)

@@ -72,7 +72,9 @@ class LayerUnderflow:
         flushed: How many of those, times the scale, round to zero in
             `dtype`.
         subnormal: How many more are below `dtype`'s smallest normal (kept
-            with fewer bits).
+            with fewer bits). Always 0 for bfloat16: its smallest normal is
+            float32's (about 1.2e-38), and TensorFlow's CPU kernels flush
+            float32's subnormals to zero, so the float32 pass has none.
         max_scaled: The largest |gradient| times the scale.
         headroom: How many times larger the scale can grow before its
             largest gradient overflows `dtype` (`inf` for all-zero ones).

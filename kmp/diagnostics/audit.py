@@ -214,6 +214,12 @@ def range_check(
         for layer in [model] + [site.layer for site in traversal.walk(model)]
     )
     measured = ranges.activation_ranges(model, sample, sixteen_bit_only=sixteen)
+    counted_all = ""
+    if measured.counted_all:
+        counted_all = (
+            "; every op counted, those it computes in float32 too: under its "
+            f"own policies it could not be traced ({measured.counted_all})"
+        )
     risks = []
     for r in measured.above(FLOAT16_MAX / headroom):
         over = r.max_abs >= FLOAT16_MAX
@@ -230,7 +236,7 @@ def range_check(
                 r.class_name,
                 "float16 overflow" if over else "near float16's range",
                 f"its {r.op} reached |x| = {r.max_abs:.3g} on the sample "
-                f"(float16's largest value is {FLOAT16_MAX:g})",
+                f"(float16's largest value is {FLOAT16_MAX:g}){counted_all}",
                 fix,
             )
         )
@@ -533,8 +539,7 @@ def _dtype_error(layer) -> str | None:
             dtype = layer.compute_dtype
         layer(keras.ops.zeros(shape, dtype=dtype))
     except (tf.errors.InvalidArgumentError, TypeError, ValueError) as e:
-        lines = [line for line in str(e).splitlines() if "type" in line.lower()]
-        return (lines[-1] if lines else str(e).splitlines()[0]).strip()[:160]
+        return tracing.error_line(e)[:160]
     return None
 
 

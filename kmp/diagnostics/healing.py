@@ -1,5 +1,5 @@
 """`OverflowHealer`: a layer whose forward pass keeps overflowing float16
-moves to float32 on its own, while `fit` runs.
+moves to float32 (or bfloat16) on its own, while `fit` runs.
 
 Loss scaling protects gradients; it cannot fix a forward pass whose
 activations exceed float16's range (65504): every such step is skipped,
@@ -15,13 +15,14 @@ the floor and training stalls. The healer tells the two apart and acts:
    output is non-finite, which names the layer whose call ran it. This
    costs one finite check per activation, for as long as it lasts.
 3. **Healing**: when the same layer overflows in `overflows` of the last
-   `window` steps, it is moved to float32 compute (through Keras's public
-   `layer.dtype_policy` setter, quantization kept), and the step is traced
-   again. Its variables keep their dtype; Keras casts its output for the
-   Keras layers that take it. The healer goes on diagnosing: the overflow
-   may move on to the layer its large output reaches, which is then moved
-   in turn. After `window` steps without a forward overflow it stops
-   diagnosing and the step is traced once more without the probe.
+   `window` steps, it is moved to float32 compute, or bfloat16 with
+   `to=` (through Keras's public `layer.dtype_policy` setter, quantization
+   kept), and the step is traced again. Its variables keep their dtype;
+   Keras casts its output for the Keras layers that take it. The healer
+   goes on diagnosing: the overflow may move on to the layer its large
+   output reaches, which is then moved in turn. After `window` steps
+   without a forward overflow it stops diagnosing and the step is traced
+   once more without the probe.
 
 A move is checked at once by a trace of the forward pass (nothing runs),
 so that validation, `evaluate` or `predict` right after it trace a model
@@ -72,7 +73,7 @@ _POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 @dataclasses.dataclass(frozen=True)
 class Heal:
-    """One layer moved to float32 by `OverflowHealer`.
+    """One layer moved out of float16 by `OverflowHealer`.
 
     Attributes:
         layer: The layer's path in the model.
@@ -530,16 +531,17 @@ class OverflowHealer(keras.callbacks.Callback):
         self._unmeasured = None
         peak = float(self._probe.peak.numpy())
         self._probe.measure(self.model, [])  # at the next trace
-        if peak <= 0:
-            if self.verbose:
-                print(f"kmp: {self.heals[index]}")
-            return
-        heal = dataclasses.replace(self.heals[index], magnitude=peak)
-        self.heals[index] = heal
+        heal = self.heals[index]
+        if peak > 0:
+            heal = dataclasses.replace(heal, magnitude=peak)
+            self.heals[index] = heal
+            self._write()
+        # A step ran with it: what LossScaleMonitor records.
         for part in _unit(layer) if heal.sublayers else [layer]:
             if part in applied_lib.healed:
-                applied_lib.note_heal(part, quantization.float_part(part), str(heal))
-        self._write()
+                applied_lib.note_heal(
+                    part, quantization.float_part(part), str(heal), ran=True
+                )
         if self.verbose:
             print(f"kmp: {heal}")
 

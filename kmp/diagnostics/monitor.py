@@ -50,8 +50,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Values come from the batch logs, which Keras has already read from the
     device; the optimizer's per-variable overflow record is read only when
     the skip count went up. A layer that `kmp.callbacks.OverflowHealer`
-    moved out of float16 is in the next record (`healed`, TensorBoard text
-    `kmp/healed`, a dashed line in the plot).
+    moved out of float16 is in the record after a training step ran with
+    it (`healed`, one move per line, with what its activations reached;
+    TensorBoard text `kmp/healed`; a dashed line in the plot).
 
     With `underflow_sample=(x, y)`, at each epoch's end it also measures
     what float16 loses of the gradients at the current scale on that batch
@@ -139,7 +140,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._last_total = 0
         self._last_logs: dict = {}
         self._warned = False
-        self._heals_seen: set[int] = set()  # ids of the layers reported
+        self._reported: set[str] = set()  # the moves' texts recorded
         self._heals_count = -1  # applied_lib.heal_writes() when last looked
         self._advised = False
         self._measured: float | None = None  # this epoch's measure
@@ -231,17 +232,21 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return self.underflow_sample is not None and not self._unmeasurable
 
     def _new_heals(self) -> tuple[str, ...]:
-        """The moves OverflowHealer made in this model since the last look
-        (its layers are walked only when a move was recorded since)."""
+        """The moves OverflowHealer made in this model that a training step
+        ran with since the last look, each once (a block moved with its
+        sublayers is one move), with what its activations reached (its
+        layers are walked only when a move was recorded since)."""
         if applied_lib.heal_writes() == self._heals_count:
             return ()
         self._heals_count = applied_lib.heal_writes()
-        found = []
+        found: dict[str, None] = {}
         for site in traversal.walk(self.model):
             heal = applied_lib.healed.get(site.layer)
-            if heal is not None and id(site.layer) not in self._heals_seen:
-                self._heals_seen.add(id(site.layer))
-                found.append(heal[1])
+            if heal is None or not heal.ran:
+                continue
+            if heal.text not in self._reported:
+                self._reported.add(heal.text)
+                found[heal.text] = None
         return tuple(found)
 
     def on_train_end(self, logs=None):
@@ -263,9 +268,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 gradient_underflow=underflow_fraction,
                 healed=self.records[-1].healed + self._new_heals(),
             )
-            self.records[-1] = last
+            was, self.records[-1] = self.records[-1], last
             if self._writer is not None:
-                self._writer.write(dataclasses.replace(last, overflow_layers=()))
+                self._writer.amend(was, last)
             return
         logs = self._last_logs
         loss = float(logs.get("loss", float("nan")))

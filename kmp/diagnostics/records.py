@@ -125,7 +125,9 @@ def plot_records(records: list[StepRecord], path: str) -> None:
                 step,
                 color="tab:purple",
                 linestyle="--",
-                label="a layer moved to float32" if i == 0 and ax is loss_ax else None,
+                label="a layer moved out of float16"
+                if i == 0 and ax is loss_ax
+                else None,
             )
     if healed:
         loss_ax.legend(loc="best")
@@ -133,6 +135,22 @@ def plot_records(records: list[StepRecord], path: str) -> None:
     scale_ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
+
+
+def _check_csv_header(path: str) -> None:
+    """A CSV file the records are appended to has their columns."""
+    if not os.path.exists(path) or not os.path.getsize(path):
+        return
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    if tuple(header) != CSV_FIELDS:
+        raise ValueError(
+            f"csv_path {path!r} exists with other columns than the monitor "
+            f"writes: {','.join(header)!r}, where it writes "
+            f"{','.join(CSV_FIELDS)!r} (a file written by another version, or "
+            "by another program). Appending would misalign them: pass a new "
+            "csv_path, or move that file away."
+        )
 
 
 def check_paths(
@@ -144,6 +162,7 @@ def check_paths(
         _check_writable_dir(log_dir, "log_dir")
     if csv_path is not None:
         _check_writable_file(csv_path, "csv_path")
+        _check_csv_header(csv_path)
     if plot_path is not None:
         _check_writable_file(plot_path, "plot_path")
         try:
@@ -163,6 +182,7 @@ class RecordWriter:
         self._writer = None
         self._csv_file = None
         self._csv = None
+        self._row_at: int | None = None  # where the last CSV row starts
         if log_dir is not None:
             self._writer = tf.summary.create_file_writer(log_dir)
         if csv_path is not None:
@@ -186,39 +206,65 @@ class RecordWriter:
                 ]
             if r.gradient_underflow is not None:
                 values.append(("kmp/gradient_underflow", r.gradient_underflow))
-            # One raw Summary per step (TensorBoard reads `simple_value`
-            # scalars): one op per record instead of one per scalar.
-            summary = tf.compat.v1.Summary(
-                value=[
-                    tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
-                    for tag, value in values
-                ]
-            )
-            with self._writer.as_default():
-                tf.summary.experimental.write_raw_pb(
-                    summary.SerializeToString(), step=r.step
-                )
-                if r.overflow_layers:
-                    tf.summary.text(
-                        "kmp/overflow_layers", _sources_text(r), step=r.step
-                    )
-                if r.healed:
-                    tf.summary.text("kmp/healed", "\n".join(r.healed), step=r.step)
+            texts = []
+            if r.overflow_layers:
+                texts.append(("kmp/overflow_layers", _sources_text(r)))
+            if r.healed:
+                texts.append(("kmp/healed", "\n".join(r.healed)))
+            self._write_summaries(r.step, values, texts)
         if self._csv is not None:
-            self._csv.writerow(
-                [
-                    r.step,
-                    r.epoch,
-                    r.loss,
-                    "" if r.loss_scale is None else r.loss_scale,
-                    r.skipped,
-                    "" if r.skipped_steps_total is None else r.skipped_steps_total,
-                    _sources_text(r) if r.overflow_layers else "",
-                    ";".join(r.healed),
-                    "" if r.gradient_underflow is None else r.gradient_underflow,
-                ]
-            )
-            self._csv_file.flush()
+            self._row_at = self._csv_file.tell()
+            self._write_row(r)
+
+    def amend(self, was: StepRecord, r: StepRecord) -> None:
+        """Replaces the last record written, `was`, by `r` (its step, with
+        what became known after it): the CSV row is written again in its
+        place, and TensorBoard gets what `r` adds."""
+        if self._writer is not None:
+            values = []
+            if r.gradient_underflow is not None and was.gradient_underflow is None:
+                values.append(("kmp/gradient_underflow", r.gradient_underflow))
+            added = r.healed[len(was.healed) :]
+            texts = [("kmp/healed", "\n".join(added))] if added else []
+            self._write_summaries(r.step, values, texts)
+        if self._csv is not None and self._row_at is not None:
+            self._csv_file.seek(self._row_at)
+            self._csv_file.truncate()
+            self._write_row(r)
+
+    def _write_summaries(self, step: int, values: list, texts: list) -> None:
+        with self._writer.as_default():
+            if values:
+                # One raw Summary per step (TensorBoard reads `simple_value`
+                # scalars): one op per record instead of one per scalar.
+                summary = tf.compat.v1.Summary(
+                    value=[
+                        tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
+                        for tag, value in values
+                    ]
+                )
+                tf.summary.experimental.write_raw_pb(
+                    summary.SerializeToString(), step=step
+                )
+            for tag, text in texts:
+                tf.summary.text(tag, text, step=step)
+
+    def _write_row(self, r: StepRecord) -> None:
+        self._csv.writerow(
+            [
+                r.step,
+                r.epoch,
+                r.loss,
+                "" if r.loss_scale is None else r.loss_scale,
+                r.skipped,
+                "" if r.skipped_steps_total is None else r.skipped_steps_total,
+                _sources_text(r) if r.overflow_layers else "",
+                # One move per line (a move's text has commas and ';').
+                "\n".join(r.healed),
+                "" if r.gradient_underflow is None else r.gradient_underflow,
+            ]
+        )
+        self._csv_file.flush()
 
     def flush(self) -> None:
         if self._writer is not None:

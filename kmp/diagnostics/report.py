@@ -348,8 +348,8 @@ def precision_report(
         layer = d.layer
         record = applied_lib.applied(layer)
         heal = applied_lib.healed.get(layer)
-        if heal is not None and quantization.float_part(layer) == heal[0]:
-            rule = heal[1]
+        if heal is not None and quantization.float_part(layer) == heal.float_part:
+            rule = heal.text
         elif record is not None:
             rule = record.rule
         elif d.explicit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import keras
 
@@ -34,18 +35,26 @@ model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 refused_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Layers `kmp.callbacks.OverflowHealer` moved out of float16, {layer: (the
-# float policy it moved to, what happened)}: their policy is theirs (a later
-# `prepare` keeps it, as a user's `dtype=`); the precision report says why
-# it is so while the layer keeps that policy.
+class Healed(NamedTuple):
+    """A layer's move out of float16 by `kmp.callbacks.OverflowHealer`."""
+
+    float_part: str  # the float policy it moved to
+    text: str  # what happened
+    ran: bool  # whether a training step ran with it
+
+
+# Layers `kmp.callbacks.OverflowHealer` moved out of float16, {layer:
+# Healed}: their policy is theirs (a later `prepare` keeps it, as a user's
+# `dtype=`); the precision report says why it is so while the layer keeps
+# that policy.
 healed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _heal_writes = 0
 
 
-def note_heal(layer, float_part: str, text: str) -> None:
+def note_heal(layer, float_part: str, text: str, ran: bool = False) -> None:
     """Records (or updates) a layer's move in `healed`."""
     global _heal_writes
-    healed[layer] = (float_part, text)
+    healed[layer] = Healed(float_part, text, ran)
     _heal_writes += 1
 
 
