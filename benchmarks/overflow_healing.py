@@ -23,7 +23,12 @@ overflow at all, the fair reference for the healed run. Plain Keras under
 mixed_float16 runs at its float16 CPU speed, so it is given only the first
 epoch (enough to see it does not train).
 
-Run: python benchmarks/overflow_healing.py [--epochs 3] [--steps 200]
+With `--seeds N` it trains instead float32, the healed run and the run
+with its weights not scaled from N weight initialisations (the same
+batches) and prints each one's losses against float32's from the same
+weights: how far float16 rounding alone moves the comparison.
+
+Run: python benchmarks/overflow_healing.py [--epochs 3] [--steps 200] [--seeds N]
 """
 
 from __future__ import annotations
@@ -102,14 +107,14 @@ def step_times():
     return StepTimes()
 
 
-def run(variant: str, epochs: int, steps: int, batch: int) -> dict:
+def run(variant: str, epochs: int, steps: int, batch: int, seed: int = 0) -> dict:
     import keras
 
     import kmp
 
     policy = "float32" if variant == "float32" else "mixed_float16"
     kmp.set_policy(policy)
-    model = build(scale=1.0 if variant == "kmp, weights not scaled" else SCALE)
+    model = build(seed, scale=1.0 if variant == "kmp, weights not scaled" else SCALE)
     x, y = data(steps * batch)
     held_out = data(1024, seed=2)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -162,8 +167,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="train float32, the healed run and the unscaled run from this many "
+        "weight seeds instead, and print their losses against float32's",
+    )
     args = parser.parse_args()
     print(f"CPU: {cpu_model()}")
+    if args.seeds:
+        over_seeds(args.seeds, args.epochs, args.steps, args.batch_size)
+        return
     rows = [run(v, args.epochs, args.steps, args.batch_size) for v in VARIANTS]
     train_ref, held_ref = rows[0]["final loss"], rows[0]["held-out loss"]
     print(
@@ -180,6 +195,34 @@ def main() -> None:
             f"{r['skipped']} | {r['scale']} | {r['heals'] or '-'} | "
             f"{'-' if r['underflow'] is None else format(r['underflow'], '.2%')} | "
             f"{r['ms/step']:.1f} |"
+        )
+
+
+def over_seeds(seeds: int, epochs: int, steps: int, batch: int) -> None:
+    variants = ("float32", "kmp + healer", "kmp, weights not scaled")
+    print(
+        "| seed | healed: training loss vs float32 | healed: held-out vs float32 "
+        "| not scaled: held-out vs float32 | heals (layer, step) | skipped |"
+    )
+    print("|---|---|---|---|---|---|")
+    ratios = {"train": [], "held": [], "unscaled": []}
+    for seed in range(seeds):
+        ref, healed, unscaled = (
+            run(v, epochs, steps, batch, seed=seed) for v in variants
+        )
+        ratios["train"].append(healed["final loss"] / ref["final loss"])
+        ratios["held"].append(healed["held-out loss"] / ref["held-out loss"])
+        ratios["unscaled"].append(unscaled["held-out loss"] / ref["held-out loss"])
+        heals = [(layer, step) for layer, step, _ in healed["heals"]] or "-"
+        print(
+            f"| {seed} | {ratios['train'][-1]:.3f} | {ratios['held'][-1]:.3f} | "
+            f"{ratios['unscaled'][-1]:.3f} | {heals} | {healed['skipped']} |",
+            flush=True,
+        )
+    for name, values in ratios.items():
+        print(
+            f"{name}: mean {statistics.mean(values):.3f}, "
+            f"from {min(values):.3f} to {max(values):.3f}"
         )
 
 

@@ -30,9 +30,10 @@ that works. Where code outside the layer joins its float32 output with a
 16-bit tensor (the forward pass, or only a `train_step` of the model's own,
 cannot be traced), the move is taken back before any step runs with it,
 and the enclosing layer, whose code that is, moves instead; where there is
-none, the healer gives up (below). Its hold on the
-optimizer (`watch_forward`) is renewed after each call of the train
-function, so a `fit` that ends without `on_train_end` leaves none behind.
+none, the healer gives up (below). Its hold on the optimizer
+(`watch_forward`) lasts one call of the train function and is renewed
+before each, so a `fit` that ends without `on_train_end` leaves none
+behind.
 
 Every move is in `healer.heals` (layer, step, the op that overflowed, and
 what the layer's activations reached in float32 in the step after it), in
