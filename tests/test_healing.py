@@ -98,6 +98,27 @@ def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
     assert again.forward_overflows == 0 and not again.heals
 
 
+def test_an_exported_healed_model_serves_with_the_healed_precision(tmp_path):
+    x, y = data(64)
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    # Exported before the heal, 'up' overflows float16: the served output
+    # is not finite.
+    model.export(str(tmp_path / "before"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "before"))  # held while served
+    assert not np.isfinite(loaded.serve(x).numpy()).all()
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
+    assert [h.layer for h in healer.heals] == ["up"]
+    model.export(str(tmp_path / "after"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "after"))
+    served = loaded.serve(x).numpy()
+    assert np.isfinite(served).all()
+    np.testing.assert_allclose(
+        served, model.predict(x, verbose=0), rtol=1e-2, atol=1e-2
+    )
+
+
 def test_plain_keras_does_not_train_on_the_same_model():
     x, y = data()
     kmp.set_policy("mixed_float16")
