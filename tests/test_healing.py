@@ -475,9 +475,12 @@ def test_a_resumed_run_starts_with_the_layers_moved_and_no_new_overflow(tmp_path
     rebuilt = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
     assert rebuilt.get_layer("up").compute_dtype == "float16"
     again = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, path=record)
+    monitor = kmp.callbacks.LossScaleMonitor()
     history = rebuilt.fit(
-        x, y, batch_size=32, epochs=3, verbose=0, callbacks=[again, backup]
+        x, y, batch_size=32, epochs=3, verbose=0, callbacks=[again, backup, monitor]
     )
+    # The monitor records the move made again, once its first step ran.
+    assert [r.healed for r in monitor.records if r.healed] == [(str(healer.heals[0]),)]
     assert len(history.history["loss"]) == 2  # resumed at epoch 2
     assert rebuilt.get_layer("up").compute_dtype == "float32"
     assert again.forward_overflows == 0

@@ -225,6 +225,7 @@ class OverflowHealer(keras.callbacks.Callback):
         self._counted = 0
         self._unattributed = 0
         self._unmeasured: tuple | None = None  # (heal's index, layer)
+        self._restored: list[tuple] = []  # moves made again, no step run yet
         self.gave_up = False
 
     def _optimizer(self) -> optimizer_lib.LossScaleOptimizer:
@@ -274,6 +275,7 @@ class OverflowHealer(keras.callbacks.Callback):
         self._unattributed = 0
         self._seen.clear()
         restored = self._restore()
+        self._restored = restored
         if not restored:
             train_function.retrace(self.model)
             return
@@ -289,6 +291,7 @@ class OverflowHealer(keras.callbacks.Callback):
         """What takes back the moves `_restore` made again, and says so."""
 
         def undo(error: str) -> None:
+            self._restored = []
             for heal, moved in reversed(restored):
                 _take_back(moved)
                 if heal in self.heals:
@@ -386,6 +389,14 @@ class OverflowHealer(keras.callbacks.Callback):
         self.forward_overflows += overflows
         if self._unmeasured is not None:
             self._record_magnitude()
+        if self._restored:
+            # The moves made again at the start ran a step: recorded.
+            for heal, moved in self._restored:
+                for part, _ in moved:
+                    applied_lib.note_heal(
+                        part, quantization.float_part(part), str(heal), ran=True
+                    )
+            self._restored = []
         if self.gave_up:
             return
         if not opt.loss_recorded:
