@@ -149,7 +149,14 @@ def run(variant: str, epochs: int, steps: int, batch: int, seed: int = 0) -> dic
         "held-out loss": model.evaluate(*held_out, verbose=0, batch_size=batch),
         "skipped": skipped,
         "scale": scale,
-        "heals": [(h.layer, h.step, float(f"{h.magnitude:.3g}")) for h in healer.heals]
+        "heals": [
+            (
+                h.layer,
+                h.step,
+                None if h.magnitude is None else float(f"{h.magnitude:.3g}"),
+            )
+            for h in healer.heals
+        ]
         if healer
         else [],
         "ms/step": 1000 * statistics.median(times[after + 1 :] or times),

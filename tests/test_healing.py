@@ -596,3 +596,78 @@ def test_a_dataset_of_unknown_length_keeps_the_healer_watching_every_epoch():
     model.fit(dataset.batch(32), epochs=3, verbose=0, callbacks=[BlowUp(), healer])
     assert [h.layer for h in healer.heals] == ["up"]
     assert healer.forward_overflows >= 1
+
+
+class JoinsInItsStep(keras.Model):
+    """A train_step of the model's own that joins 'up''s output with a
+    float16 tensor in raw TensorFlow: the forward pass traces with 'up' in
+    float32, the training step does not."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            extra = self.get_layer("up")(x) + tf.cast(x[:, :1] * 0, "float16")
+            loss = self.compute_loss(x=x, y=y, y_pred=pred)
+            loss = loss + tf.cast(tf.reduce_mean(extra) * 0, "float32")
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def joins_in_its_step(up_scale: float) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(16, name="up")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    model = JoinsInItsStep(inputs, keras.layers.Dense(4, name="head")(h))
+    up = model.get_layer("up")
+    up.kernel.assign(up.kernel * up_scale)
+    return kmp.compile(model, optimizer="adam", loss="mse")
+
+
+def test_a_move_at_the_last_step_is_checked_by_the_next_fit_s_first_step():
+    x, y = data(32)
+    kmp.set_policy("mixed_float16")
+    model = joins_in_its_step(1e5)
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    # Two steps: 'up' moves after the second, the last; no step of this fit
+    # runs with it.
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
+    assert model.get_layer("up").compute_dtype == "float32"
+    # The next fit's first step cannot be traced with it: taken back, said.
+    with pytest.warns(UserWarning, match="cannot be traced"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
+    assert model.get_layer("up").compute_dtype == "float16" and healer.gave_up
+
+
+def test_a_recorded_move_only_the_training_step_refuses_is_taken_back(tmp_path):
+    x, y = data(64)
+    kmp.set_policy("mixed_float16")
+    model = joins_in_its_step(1.0)
+    record = tmp_path / "heals.json"
+    entry = {"layer": "up", "step": 3, "op": "MatMul", "overflows": 1}
+    record.write_text(json.dumps({"heals": [entry]}))
+    healer = kmp.callbacks.OverflowHealer(verbose=0, path=record)
+    # A fresh model's first fit: the move is made again before its first
+    # step, whose trace refuses it.
+    with pytest.warns(UserWarning, match="taken back"):
+        history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
+    assert model.get_layer("up").compute_dtype == "float16" and not healer.heals
+    assert json.loads(record.read_text())["heals"] == []  # not said again
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_monitor_listed_before_the_healer_records_a_move_its_last_step_ran():
+    x, y = data(48)
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(ffn_model(), optimizer="adam", loss="mse")
+    healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
+    monitor = kmp.callbacks.LossScaleMonitor()
+    # Three steps: 'up' moves after the second; the third, the last, runs
+    # with it, and the monitor's batch end comes before the healer's.
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[monitor, healer])
+    assert [h.step for h in healer.heals] == [2]
+    assert [r.healed for r in monitor.records if r.healed] == [(str(healer.heals[0]),)]
+    assert [r.step for r in monitor.records] == [1, 2, 3]

@@ -72,8 +72,8 @@ class LayerUnderflow:
         flushed: How many of those, times the scale, round to zero in
             `dtype`.
         subnormal: How many more are below `dtype`'s smallest normal (kept
-            with fewer bits). Always 0 for bfloat16: its smallest normal is
-            float32's (about 1.2e-38), and TensorFlow's CPU kernels flush
+            with fewer bits). 0 for bfloat16 on a CPU: its smallest normal
+            is float32's (about 1.2e-38), and TensorFlow's CPU kernels flush
             float32's subnormals to zero, so the float32 pass has none.
         max_scaled: The largest |gradient| times the scale.
         headroom: How many times larger the scale can grow before its

@@ -281,6 +281,10 @@ class OverflowHealer(keras.callbacks.Callback):
             return
         # Checked at once, and again by the first training step.
         error = tracing.mixed_dtypes_error(self.model)
+        if error is not None and not self._blames_the_move(
+            [m for _, moved in restored for m in moved]
+        ):
+            error = None
         if error is None:
             train_function.retrace(self.model, self._taking_back(restored))
         else:
@@ -296,6 +300,7 @@ class OverflowHealer(keras.callbacks.Callback):
                 _take_back(moved)
                 if heal in self.heals:
                     self.heals.remove(heal)
+            self._write()
             _warn.warn(
                 f"kmp: OverflowHealer's record {self.path!r} moves layers of "
                 f"{self.model.name!r} that its training step cannot be traced "
@@ -515,7 +520,7 @@ class OverflowHealer(keras.callbacks.Callback):
         # validation, evaluate or predict may trace the model before the
         # next training step does.
         error = tracing.mixed_dtypes_error(self.model)
-        if error is not None:
+        if error is not None and self._blames_the_move(moved):
             _take_back(moved)
             instead(error)
             return
@@ -537,6 +542,23 @@ class OverflowHealer(keras.callbacks.Callback):
             instead(error)
 
         train_function.retrace(self.model, undo)
+
+    def _blames_the_move(self, moved: list[tuple]) -> bool:
+        """Whether the forward trace that failed after `moved` traces
+        without it: where it fails so either way (kmp's trace of a
+        subclassed model gives it float32 inputs its own code may refuse),
+        it says nothing of the move, and the training step decides."""
+        after = [
+            (part, quantization.snapshot(part), applied_lib.healed.get(part))
+            for part, _ in moved
+        ]
+        _take_back(moved)
+        clean = tracing.mixed_dtypes_error(self.model) is None
+        for part, policy, record in after:
+            quantization.restore(part, policy)
+            if record is not None:
+                applied_lib.note_heal(part, *record)
+        return clean
 
     def _record_magnitude(self) -> None:
         index, layer = self._unmeasured

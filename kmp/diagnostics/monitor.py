@@ -200,6 +200,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         ):
             # Its last step was recorded already: written again, with it.
             self._record(self._measured, again=True)
+        heals = self._new_heals()
+        if heals and self.records:
+            # A move its last step ran with, seen after that step's record
+            # (the healer's batch end came after this monitor's).
+            self._record(self.records[-1].gradient_underflow, again=True, heals=heals)
         if self._measured is not None and logs is not None:
             logs["gradient_underflow"] = self._measured
         if self._writer is not None:
@@ -260,13 +265,20 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """Writes the PNG plot of the records so far (also after a failure)."""
         records.plot_records(self.records, os.fspath(path))
 
-    def _record(self, underflow_fraction: float | None = None, again=False) -> None:
+    def _record(
+        self,
+        underflow_fraction: float | None = None,
+        again: bool = False,
+        heals: tuple[str, ...] | None = None,
+    ) -> None:
         if again and self.records:
-            # The epoch's measure, at a step already recorded: added to it.
+            # The epoch's measure, or a move, at a step already recorded:
+            # added to it.
             last = dataclasses.replace(
                 self.records[-1],
                 gradient_underflow=underflow_fraction,
-                healed=self.records[-1].healed + self._new_heals(),
+                healed=self.records[-1].healed
+                + (self._new_heals() if heals is None else heals),
             )
             was, self.records[-1] = self.records[-1], last
             if self._writer is not None:

@@ -52,8 +52,9 @@ class StepRecord:
     `overflow_layers` names the layers whose gradients were non-finite at the
     last skipped step of the interval; `forward` is True when the loss itself
     was inf/NaN (a forward overflow: every gradient is then non-finite).
-    `healed` holds the moves `kmp.callbacks.OverflowHealer` made in the
-    interval (`"healed at step N: ..."`); `gradient_underflow` the fraction
+    `healed` holds the moves `kmp.callbacks.OverflowHealer` made that a
+    training step ran with since the last record (`"healed at step N:
+    ..."`); `gradient_underflow` the fraction
     of gradient values float16 flushes to zero at the scale, where measured
     (`LossScaleMonitor(underflow_sample=...)`, at each epoch's end).
     """
@@ -141,8 +142,11 @@ def _check_csv_header(path: str) -> None:
     """A CSV file the records are appended to has their columns."""
     if not os.path.exists(path) or not os.path.getsize(path):
         return
-    with open(path, newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), [])
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+    except (UnicodeDecodeError, csv.Error):
+        header = ["(not a UTF-8 CSV file)"]
     if tuple(header) != CSV_FIELDS:
         raise ValueError(
             f"csv_path {path!r} exists with other columns than the monitor "
@@ -224,8 +228,9 @@ class RecordWriter:
             values = []
             if r.gradient_underflow is not None and was.gradient_underflow is None:
                 values.append(("kmp/gradient_underflow", r.gradient_underflow))
+            # The step's whole text: TensorBoard shows one per step.
             added = r.healed[len(was.healed) :]
-            texts = [("kmp/healed", "\n".join(added))] if added else []
+            texts = [("kmp/healed", "\n".join(r.healed))] if added else []
             self._write_summaries(r.step, values, texts)
         if self._csv is not None and self._row_at is not None:
             self._csv_file.seek(self._row_at)

@@ -97,7 +97,11 @@ class TrainFunction:
                 plan_apply.complete(model)
             _compile_update_ahead(model)
             self._inner = self._keras_function(model)
-            logs = self._first_step(model, iterator)
+            if self._undo is not None:
+                # A change made before the first step, with its undo.
+                logs = self._changed_step(model, iterator)
+            else:
+                logs = self._first_step(model, iterator)
         elif self._undo is not None:
             logs = self._changed_step(model, iterator)
         else:
@@ -185,7 +189,7 @@ class TrainFunction:
 
     def retrace(self, undo: Callable[[str], None] | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
-        policy changed); nothing to do before the first call.
+        policy changed); before the first call, only `undo` is kept.
 
         Args:
             undo: Where the change may leave a step that mixes float dtypes
@@ -195,10 +199,12 @@ class TrainFunction:
                 so in its trace (which did not advance fit's iterator), it
                 is called and the step traced and run again (where the undo
                 makes another change with its own undo, that is tried the
-                same way).
+                same way). Without one, an undo given before and not yet
+                tried is kept: the change it takes back still holds.
         """
         if self._inner is not None:
             self._inner = self._keras_function(self._model())
+        if undo is not None:
             self._undo = undo
 
     def _keras_function(self, model: keras.Model):
