@@ -140,6 +140,16 @@ def test_a_measured_model_is_freed_and_a_new_loss_is_measured_anew():
     assert larger.layers[0].max_scaled == pytest.approx(
         1e4 * mse.layers[0].max_scaled, rel=1e-3
     )
+    # The same loss with other weights: measured anew too.
+    model.compile(loss="mse")
+    assert kmp.debug.gradient_underflow(model, x, y, scale=1.0).layers[
+        0
+    ].max_scaled == pytest.approx(mse.layers[0].max_scaled, rel=1e-3)
+    model.compile(loss="mse", loss_weights=100.0)
+    weighted = kmp.debug.gradient_underflow(model, x, y, scale=1.0)
+    assert weighted.layers[0].max_scaled == pytest.approx(
+        100 * mse.layers[0].max_scaled, rel=1e-3
+    )
     # The measure keeps no hold on the model.
     gone = weakref.ref(model)
     del model

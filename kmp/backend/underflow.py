@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import warnings
 import weakref
 from typing import Any
 
@@ -41,6 +42,19 @@ _SIXTEEN = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 NOTABLE = 0.01
 # model -> (what the measure was traced for, the traced measure).
 _FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_with(model) -> tuple:
+    """What the measure's trace reads of the model's compile: its loss and
+    the loss weights (a compile with other ones is traced again)."""
+    try:
+        with warnings.catch_warnings():
+            # Keras warns of a lambda loss it serializes; nothing is saved.
+            warnings.simplefilter("ignore")
+            weights = (model.get_compile_config() or {}).get("loss_weights")
+    except Exception:  # a compile config Keras cannot serialize
+        weights = None
+    return _identity(getattr(model, "loss", None)), repr(weights)
 
 
 def _identity(loss: Any) -> Any:
@@ -351,7 +365,7 @@ def gradient_underflow(
         return tf.stack(counted), tf.stack(maxima)
 
     key = (
-        _identity(getattr(model, "loss", None)),
+        *_compiled_with(model),
         len(model.trainable_variables),
         len(model.non_trainable_variables),
         len(model.metrics_variables),
