@@ -339,6 +339,14 @@ def test_a_move_is_checked_at_once_so_validation_right_after_it_runs(tmp_path):
     assert np.isfinite(history.history["val_loss"][-1])
 
 
+def one_move_record(tmp_path, layer: str):
+    """A healer's record file that moves `layer`, and its entry."""
+    record = tmp_path / "heals.json"
+    entry = {"layer": layer, "step": 3, "op": "MatMul", "overflows": 1}
+    record.write_text(json.dumps({"heals": [entry]}))
+    return record, entry
+
+
 def test_a_record_whose_moves_the_model_cannot_trace_is_taken_back(tmp_path):
     x, y = data(64)
     kmp.set_policy("mixed_float16")
@@ -346,9 +354,7 @@ def test_a_record_whose_moves_the_model_cannot_trace_is_taken_back(tmp_path):
     block = Residual(name="block")
     model = keras.Model(inputs, keras.layers.Dense(4, name="head")(block(inputs)))
     model = kmp.compile(model, optimizer="adam", loss="mse")
-    record = tmp_path / "heals.json"
-    entry = {"layer": "block/up", "step": 3, "op": "MatMul", "overflows": 1}
-    record.write_text(json.dumps({"heals": [entry]}))
+    record, entry = one_move_record(tmp_path, "block/up")
     healer = kmp.callbacks.OverflowHealer(verbose=0, path=record)
     with pytest.warns(UserWarning, match="taken back"):
         history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
@@ -646,9 +652,7 @@ def test_a_recorded_move_only_the_training_step_refuses_is_taken_back(tmp_path):
     x, y = data(64)
     kmp.set_policy("mixed_float16")
     model = joins_in_its_step(1.0)
-    record = tmp_path / "heals.json"
-    entry = {"layer": "up", "step": 3, "op": "MatMul", "overflows": 1}
-    record.write_text(json.dumps({"heals": [entry]}))
+    record, _ = one_move_record(tmp_path, "up")
     healer = kmp.callbacks.OverflowHealer(verbose=0, path=record)
     # A fresh model's first fit: the move is made again before its first
     # step, whose trace refuses it.

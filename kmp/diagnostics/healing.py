@@ -397,10 +397,7 @@ class OverflowHealer(keras.callbacks.Callback):
         if self._restored:
             # The moves made again at the start ran a step: recorded.
             for heal, moved in self._restored:
-                for part, _ in moved:
-                    applied_lib.note_heal(
-                        part, quantization.float_part(part), str(heal), ran=True
-                    )
+                _ran([part for part, _ in moved], heal)
             self._restored = []
         if self.gave_up:
             return
@@ -570,12 +567,7 @@ class OverflowHealer(keras.callbacks.Callback):
             heal = dataclasses.replace(heal, magnitude=peak)
             self.heals[index] = heal
             self._write()
-        # A step ran with it: what LossScaleMonitor records.
-        for part in _unit(layer) if heal.sublayers else [layer]:
-            if part in applied_lib.healed:
-                applied_lib.note_heal(
-                    part, quantization.float_part(part), str(heal), ran=True
-                )
+        _ran(_unit(layer) if heal.sublayers else [layer], heal)
         if self.verbose:
             print(f"kmp: {heal}")
 
@@ -612,6 +604,16 @@ def _move(unit: list, dtype: str, text: str) -> list[tuple]:
         quantization.set_float_part(part, _POLICIES[dtype])
         applied_lib.note_heal(part, quantization.float_part(part), text)
     return moved
+
+
+def _ran(parts: list, heal: Heal) -> None:
+    """Records that a training step ran with `heal`'s move of `parts` (what
+    LossScaleMonitor records), with its text as it now is."""
+    for part in parts:
+        if part in applied_lib.healed:
+            applied_lib.note_heal(
+                part, quantization.float_part(part), str(heal), ran=True
+            )
 
 
 def _take_back(moved: list[tuple]) -> None:

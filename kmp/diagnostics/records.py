@@ -229,8 +229,9 @@ class RecordWriter:
             if r.gradient_underflow is not None and was.gradient_underflow is None:
                 values.append(("kmp/gradient_underflow", r.gradient_underflow))
             # The step's whole text: TensorBoard shows one per step.
-            added = r.healed[len(was.healed) :]
-            texts = [("kmp/healed", "\n".join(r.healed))] if added else []
+            texts = []
+            if r.healed != was.healed:
+                texts.append(("kmp/healed", "\n".join(r.healed)))
             self._write_summaries(r.step, values, texts)
         if self._csv is not None and self._row_at is not None:
             self._csv_file.seek(self._row_at)
