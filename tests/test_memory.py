@@ -1,11 +1,10 @@
 """Memory: kmp's training step holds no more than plain Keras's.
 
-Read from TensorFlow's own allocator (the bytes of live tensors and their
-peak: what a GPU's memory would hold), on a model whose weights and
-optimizer state outweigh its activations, so that a copy of the weights or
-of Adam's slots, made by the skip of a non-finite step or by the fused
-update, would show at once (one copy of the weights is 16 MiB here, the
-margin 1 MiB).
+Read from TensorFlow's profiler (the bytes the live tensors requested, and
+their peak), on a model whose weights and optimizer state outweigh its
+activations, so that a copy of the weights or of Adam's slots, made by the
+skip of a non-finite step or by the fused update, would show at once (one
+copy of the weights is 16 MiB here, the margin 1 MiB).
 """
 
 import keras
@@ -46,32 +45,54 @@ def in_fresh_process(script: str, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-class _StepPeaks(keras.callbacks.Callback):
-    """The peak of live tensors in each training step, above what was live
-    when the step began (weights, optimizer slots, data), in bytes."""
+def _requested_peak(trace_dir: str) -> int:
+    """The peak, over a profiled window, of the bytes that the tensors
+    allocated in it and still live had requested, read from TensorFlow's
+    profiler trace (its allocators' `MemoryAllocation` events).
 
-    def __init__(self):
-        super().__init__()
-        self.peaks = []
+    The allocator's own count (`get_memory_info`) is not this: it counts the
+    block that served a request, and its blocks follow the history of frees
+    (a 16 MiB gradient once served from a 24 MiB block made kmp's step read
+    40 MiB against Keras's 32 with the same tensors live)."""
+    import glob
 
-    def on_train_batch_begin(self, batch, logs=None):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        self._before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    def on_train_batch_end(self, batch, logs=None):
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        self.peaks.append(peak - self._before)
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                kind = names.get(event.metadata_id)
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {
+                    stat_names.get(s.metadata_id): s.uint64_value or s.int64_value
+                    for s in event.stats
+                }
+                time = line.timestamp_ns * 1000 + event.offset_ps
+                events.append((time, kind, stats["addr"], stats["requested_bytes"]))
+    assert events, "the profiler recorded no allocation"
+    live, now, peak = {}, 0, 0
+    for _, kind, address, requested in sorted(events):
+        if kind == "MemoryAllocation":
+            live[address] = requested
+            now += requested
+            peak = max(peak, now)
+        else:  # a block allocated before the window is not counted
+            now -= live.pop(address, 0)
+    return peak
 
 
-def tensors_rise(way: str, policy: str) -> int:
-    """The median over the steps of two epochs of `fit` of each step's peak
-    of live tensors above what was live when it began, in bytes.
-
-    A copy that kmp's step makes shows in every step; the order in which the
-    executor happens to run parallel ops moves a step's peak by a weights'
-    copy now and then, for Keras's step and kmp's alike (kmp unfused 40.5
-    against Keras's 32 MiB once, over a whole epoch, in a CI run): the
-    median keeps the first and drops the second."""
+def tensors_rise(way: str, policy: str, trace_dir: str) -> int:
+    """The peak, over two epochs of `fit` (8 steps each), of the bytes of the
+    tensors that the training steps allocate and hold at once (above what
+    was live before: weights, optimizer slots, data)."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if way == "keras":
         keras.mixed_precision.set_global_policy(policy)
@@ -90,26 +111,26 @@ def tensors_rise(way: str, policy: str) -> int:
     x = rng.random((64, 2048), "float32")
     y = rng.integers(0, 10, 64)
     model.fit(x, y, batch_size=8, verbose=0)  # builds and traces
-    steps = _StepPeaks()
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[steps])
-    return int(np.median(steps.peaks))
+    options = tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=3, python_tracer_level=0, device_tracer_level=0
+    )
+    tf.profiler.experimental.start(trace_dir, options=options)
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    finally:
+        tf.profiler.experimental.stop()
+    return _requested_peak(trace_dir)
 
 
-# Run in a fresh process per policy, ops one at a time: the step's peak
-# moved by a weights' copy between runs (kmp unfused 63.5 against Keras's
-# 48.5 MiB in a pytest worker; 64 against 48 MiB in a fresh process under a
-# loaded CI machine; 48 and 48.5 on other runs): the order in which the
-# executor runs parallel ops decides which buffers are live together.
+# Run in a fresh process per policy, ops one at a time: the order in which
+# the executor runs parallel ops decides which buffers are live together.
 _RISES = """
-import json, sys
+import json, sys, tempfile
 import tensorflow as tf
-# One op at a time: with ops run in parallel, the order the executor picks
-# moves the step's peak by a weights' copy from run to run (kmp unfused 64
-# against 48 MiB once in a fresh process), for Keras's step and kmp's alike.
 tf.config.threading.set_inter_op_parallelism_threads(1)
 sys.path.insert(0, sys.argv[1])
 from test_memory import tensors_rise
-print(json.dumps({way: tensors_rise(way, sys.argv[2])
+print(json.dumps({way: tensors_rise(way, sys.argv[2], tempfile.mkdtemp())
                   for way in ("keras", "kmp", "kmp-unfused")}))
 """
 
