@@ -28,6 +28,15 @@ CONVERGED_EPOCHS = 8
 CHANCE = 0.1
 
 
+def learned_floor(converged: bool) -> float:
+    """The validation accuracy under which a policy's run did not learn: 5x
+    chance for converged runs; 2x chance before, where every policy may
+    still be far from its final accuracy (the transformer after one epoch),
+    while a run that broke (NaN weights, a collapsed loss scale) stays at
+    chance."""
+    return (5 if converged else 2) * CHANCE
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoRun:
     """One policy's training run."""
