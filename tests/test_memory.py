@@ -7,6 +7,8 @@ skip of a non-finite step or by the fused update, would show at once (one
 copy of the weights is 16 MiB here, the margin 1 MiB).
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -122,27 +124,39 @@ def tensors_rise(way: str, policy: str, trace_dir: str) -> int:
     return _requested_peak(trace_dir)
 
 
-# Run in a fresh process per policy, ops one at a time: the order in which
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+# Run in a fresh process (one for every policy: a TensorFlow start-up each
+# would cost more than the measures), ops one at a time: the order in which
 # the executor runs parallel ops decides which buffers are live together.
 _RISES = """
 import json, sys, tempfile
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
 sys.path.insert(0, sys.argv[1])
-from test_memory import tensors_rise
-print(json.dumps({way: tensors_rise(way, sys.argv[2], tempfile.mkdtemp())
-                  for way in ("keras", "kmp", "kmp-unfused")}))
+from test_memory import POLICIES, tensors_rise
+print(json.dumps({
+    policy: {way: tensors_rise(way, policy, tempfile.mkdtemp())
+             for way in ("keras", "kmp", "kmp-unfused")}
+    for policy in POLICIES
+}))
 """
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
-def test_kmp_holds_no_more_tensors_than_keras_at_the_same_policy(policy):
+@functools.cache
+def _rises() -> dict:
     import pathlib
 
+    return in_fresh_process(_RISES, str(pathlib.Path(__file__).parent))
+
+
+@pytest.mark.xdist_group("tensors")  # one worker measures every policy once
+@pytest.mark.parametrize("policy", POLICIES)
+def test_kmp_holds_no_more_tensors_than_keras_at_the_same_policy(policy):
     assert fused.resolve(None, "adam", wide_mlp().trainable_variables) == (
         fused.default_for_machine()
     )
-    rises = in_fresh_process(_RISES, str(pathlib.Path(__file__).parent), policy)
+    rises = _rises()[policy]
     keras_rise = rises["keras"]
     for way in ("kmp", "kmp-unfused"):
         rise = rises[way]
