@@ -14,8 +14,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# --no-compile: Python compiles what is imported when it is first imported;
+# compiling every installed module ahead (most of TensorFlow is never
+# imported here) took half of the install's time.
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-compile -e '.[test]'
 	touch $(STAMP)
 
 lint: $(STAMP)
