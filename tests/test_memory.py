@@ -225,6 +225,49 @@ def test_the_estimate_leaves_the_model_as_it_was():
     assert estimate.largest_batch(estimate.total_mb(0) - 1) == 0
 
 
+def test_the_estimate_counts_the_optimizer_state_without_allocating_it(recwarn):
+    # An embedding table whose Adam moments (twice the table) dwarf the
+    # step's own tensors (its gradient is the batch's rows): a copy of the
+    # moments built to count them would be the estimate's peak.
+    rows, width = 50_000, 128
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(rows, width),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    table = rows * width * 4
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    estimate = kmp.debug.estimate_memory(model, lambda n: np.zeros((n, 4), "int32"))
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    assert estimate.optimizer == "Adam (the model has no optimizer)"
+    assert estimate.optimizer_mb * MIB == pytest.approx(2 * table, rel=1e-3)
+    assert peak < table / 4, peak / MIB
+    assert not [w for w in recwarn if "stand-ins" in str(w.message)]
+
+
+class _ReadsItsVariables(keras.optimizers.SGD):
+    """An optimizer whose build reads its variables' values."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.first_values = [v.numpy() for v in variables]
+
+
+def test_an_optimizer_that_cannot_count_on_stand_ins_is_counted_and_said():
+    model = wide_mlp()
+    optimizer = _ReadsItsVariables(momentum=0.9)
+    with pytest.warns(UserWarning, match="could not be built on stand-ins"):
+        estimate = kmp.debug.estimate_memory(
+            model, lambda n: np.zeros((n, 2048), "float32"), optimizer=optimizer
+        )
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    assert estimate.optimizer_mb * MIB >= weights  # the momentum, one per weight
+
+
 def test_doctor_estimates_a_saved_models_memory_with_its_own_optimizer(
     tmp_path, capsys
 ):

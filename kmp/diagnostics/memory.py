@@ -5,18 +5,20 @@ TensorFlow's live tensors: the memory above the runtime's own, the GPU's
 memory on a GPU): the weights, the optimizer's state, and the step's own
 tensors (gradients, what the forward pass saves for the backward pass,
 temporaries). The first two are counted from the variables (the
-optimizer's by building a copy of it on the model's trainable variables:
-exact for any optimizer class). The step's own grow with the batch, by an
-amount per sample no formula gives for every layer (what a layer saves for
-its gradient depends on its kernels), so they are measured: two forward
-and backward passes, at two small batch sizes, in a `tf.function` as
-`fit` runs its step; their difference gives the memory per sample, and
-the rest is what does not grow with the batch (the gradients among it).
+optimizer's by building a copy of it on stand-ins of the model's trainable
+variables that hold no memory: exact for any optimizer class). The step's
+own grow with the batch, by an amount per sample no formula gives for every
+layer (what a layer saves for its gradient depends on its kernels), so they
+are measured: two forward and backward passes, at two small batch sizes, in
+a `tf.function` as `fit` runs its step; their difference gives the memory
+per sample, and the rest is what does not grow with the batch (the
+gradients among it).
 Input data are not counted: where they live depends on the input pipeline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+
+from kmp._base import warn as _warn
 
 MIB = 2**20
 # The two batch sizes the step is measured at.
@@ -75,19 +79,63 @@ def _bytes(variables) -> int:
 def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
     """The bytes of the optimizer's variables for `model`'s trainable
     variables: a copy of `optimizer` (or of `model.optimizer`, or of Adam
-    where the model has none), built and dropped."""
+    where the model has none), built and dropped.
+
+    The copy is built on stand-ins of the trainable variables made in a
+    graph of its own (same shapes, dtypes and paths), where a variable is a
+    node and holds no memory: counting Adam's state for a model that fills
+    a GPU must not allocate that state a second time. An optimizer that
+    cannot be built there (a class of one's own that reads its variables'
+    values as it builds) is built on the variables themselves, with a
+    warning."""
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if optimizer is None:
-        copy, name = keras.optimizers.Adam(), "Adam (the model has no optimizer)"
+        optimizer, name = keras.optimizers.Adam(), "Adam (the model has no optimizer)"
     else:
-        copy = optimizer.__class__.from_config(optimizer.get_config())
-        inner = getattr(copy, "inner_optimizer", copy)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
         name = type(inner).__name__
-    copy.build(model.trainable_variables)
-    return _bytes(copy.variables), name
+
+    config = optimizer.get_config()  # eagerly: it reads variables' values
+    try:
+        with tf.Graph().as_default():
+            counted = optimizer.__class__.from_config(config)
+            counted.build(_stand_ins(model.trainable_variables))
+            return _bytes(counted.variables), name
+    except Exception as e:  # a class whose build needs real variables
+        _warn.warn(
+            f"kmp counted the state of {name} on a copy built on the model's "
+            "own variables, which holds as much memory as that state until "
+            f"it is dropped: it could not be built on stand-ins ({e!r})."
+        )
+    counted = optimizer.__class__.from_config(config)
+    counted.build(model.trainable_variables)
+    return _bytes(counted.variables), name
+
+
+def _stand_ins(variables) -> list:
+    """A variable like each of `variables` (shape, dtype, path, and the
+    attributes optimizers read), made in the current graph."""
+    stand_ins = []
+    for variable in variables:
+        *parents, name = getattr(variable, "path", variable.name).split("/")
+        with contextlib.ExitStack() as scopes:
+            for parent in parents:
+                scopes.enter_context(keras.name_scope(parent))
+            stand_in = keras.Variable(
+                initializer="zeros",
+                shape=variable.shape,
+                dtype=variable.dtype,
+                trainable=variable.trainable,
+                name=name,
+            )
+        for attribute in ("overwrite_with_gradient",):
+            if hasattr(variable, attribute):
+                setattr(stand_in, attribute, getattr(variable, attribute))
+        stand_ins.append(stand_in)
+    return stand_ins
 
 
 def _step_peak(model: keras.Model, batch: Any) -> int:
@@ -130,8 +178,9 @@ def estimate_memory(
     Args:
         model: A built Keras model, under the policy to estimate.
         make_inputs: `n -> a batch of n inputs` (what `model` is called on).
-        optimizer: The optimizer training will use (a copy is built to count
-            its state); by default `model.optimizer`, else Adam.
+        optimizer: The optimizer training will use (a copy is built on
+            stand-ins of the variables, which hold no memory, to count its
+            state); by default `model.optimizer`, else Adam.
 
     Returns:
         A `MemoryEstimate` (`total_mb(batch_size)`, `largest_batch(budget)`).
