@@ -96,7 +96,9 @@ def pytest_runtest_teardown(item, nextitem):
     grows by a graph with each test that trains. Every full collection (and
     Keras calls `gc.collect()` at each variable it deletes, in `quantize`
     among others) would then scan them all again: a quarter of the suite's
-    time went to the collector. Frozen objects are never scanned again; they
-    are kept, as they were anyway."""
+    time went to the collector. Frozen objects are never scanned again, and
+    never collected if a later test drops them inside a reference cycle (a
+    Keras model is one): so fixtures stay function-scoped here, and what a
+    test keeps for later tests (a cached reference run) lives to the end."""
     gc.collect()
     gc.freeze()

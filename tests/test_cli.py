@@ -151,7 +151,9 @@ def test_a_run_process_keeps_filtering_after_its_start_up(capfd, monkeypatch):
     # after the start-up. The run goes through the demo's own call.
     from kmp.tools import runs
 
-    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # a user's shell
+    # As from a user's shell, where the variable is unset (the suite sets
+    # it): the run's process gets the level kmp gives it, not the suite's.
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     notice = (
         "E0000 00:00:1.5  7 cuda_platform.cc:52] failed call to cuInit: "
         "INTERNAL: CUDA error: UNKNOWN ERROR (303)"

@@ -38,8 +38,9 @@ def test_demo_trains_each_policy_to_float32_accuracy(
 
 @pytest.mark.slow
 def test_demo_table_with_the_transformer(capfd, tmp_path, runs_in_this_process):
-    # The runs' processes are real in test_bench (their start-up lines, their
-    # progress); here each policy runs in this process.
+    # Each policy runs in this process; a run's own process, and that it
+    # prints no TensorFlow start-up or later notices, is tested through the
+    # demo's call in test_cli (the filter's notices in its unit tests).
     code = kmp_cli.main(
         [
             "demo",
@@ -91,8 +92,10 @@ def _runs_reaching(accuracies: dict) -> list:
     [
         # Not converged: a model still far from its accuracy is no bug...
         (1, 0.44, 0, "have not converged yet"),
-        # ...but a run at chance is, converged or not.
-        (1, 0.10, 1, "did not learn (accuracy under 20% after 1 epoch;"),
+        # ...but a run at chance is, converged or not, and so is one far
+        # behind float32's (here at 43%) before convergence.
+        (1, 0.10, 1, "did not learn (accuracy under 22% after 1 epoch;"),
+        (1, 0.20, 1, "did not learn (accuracy under 22% after 1 epoch;"),
         (8, 0.43, 1, "did not learn (accuracy under 50% after 8 epochs;"),
     ],
 )

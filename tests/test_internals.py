@@ -7,6 +7,7 @@ import importlib
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from kmp.internals import changed
 from kmp.internals import keras_hub_names
@@ -62,6 +63,16 @@ def test_every_keras_attribute_kmp_reads_is_there():
     assert len(keras_private.optimizer_variables(optimizer)) == 4
     variable = model.get_layer("head").kernel
     assert keras_private.backing_variable(variable) is not variable
+    stand_in = keras_private.with_path(keras.Variable(np.zeros(2)), "a b/c/kernel")
+    assert stand_in.path == "a b/c/kernel"
+    # In a graph TensorFlow refuses a scope name Keras has already pushed.
+    with (
+        tf.Graph().as_default(),
+        keras_private.name_scopes_restored(),
+        pytest.raises(ValueError, match="not a valid"),
+    ):
+        keras.name_scope("_refused").__enter__()
+    assert keras.Variable(np.zeros(2), name="after").path == "after"
 
 
 def test_a_model_that_is_not_a_graph_is_told_apart_from_a_changed_keras():

@@ -18,7 +18,6 @@ Input data are not counted: where they live depends on the input pipeline.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmp._base import warn as _warn
+from kmp.internals import keras_private
 
 MIB = 2**20
 # The two batch sizes the step is measured at.
@@ -98,10 +98,15 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         name = type(inner).__name__
 
-    config = optimizer.get_config()  # eagerly: it reads variables' values
+    def copy(config):
+        # A config of its own each time: from_config may consume the one it
+        # is given (Keras's LossScaleOptimizer takes its inner optimizer out).
+        return optimizer.__class__.from_config(config)
+
     try:
-        with tf.Graph().as_default():
-            counted = optimizer.__class__.from_config(config)
+        config = optimizer.get_config()  # eagerly: it reads variables' values
+        with tf.Graph().as_default(), keras_private.name_scopes_restored():
+            counted = copy(config)
             counted.build(_stand_ins(model.trainable_variables))
             return _bytes(counted.variables), name
     except Exception as e:  # a class whose build needs real variables
@@ -110,7 +115,7 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
             "own variables, which holds as much memory as that state until "
             f"it is dropped: it could not be built on stand-ins ({e!r})."
         )
-    counted = optimizer.__class__.from_config(config)
+    counted = copy(optimizer.get_config())
     counted.build(model.trainable_variables)
     return _bytes(counted.variables), name
 
@@ -120,17 +125,15 @@ def _stand_ins(variables) -> list:
     attributes optimizers read), made in the current graph."""
     stand_ins = []
     for variable in variables:
-        *parents, name = getattr(variable, "path", variable.name).split("/")
-        with contextlib.ExitStack() as scopes:
-            for parent in parents:
-                scopes.enter_context(keras.name_scope(parent))
-            stand_in = keras.Variable(
-                initializer="zeros",
-                shape=variable.shape,
-                dtype=variable.dtype,
-                trainable=variable.trainable,
-                name=name,
-            )
+        path = getattr(variable, "path", variable.name)
+        stand_in = keras.Variable(
+            initializer="zeros",
+            shape=variable.shape,
+            dtype=variable.dtype,
+            trainable=variable.trainable,
+            name=path.rsplit("/", 1)[-1],
+        )
+        keras_private.with_path(stand_in, path)
         for attribute in ("overwrite_with_gradient",):
             if hasattr(variable, attribute):
                 setattr(stand_in, attribute, getattr(variable, attribute))

@@ -1,8 +1,9 @@
 """The private Keras attributes kmp reads: a layer's sublayers, whether it
 converts its inputs, a functional model's graph, the input shapes a model
 was built with, the tracker that locks a model's state, the attention
-methods kmp's attention rule compares, an optimizer's variables, and the
-backend variable inside a `keras.Variable`.
+methods kmp's attention rule compares, an optimizer's variables, the
+backend variable inside a `keras.Variable`, a variable's path, and the
+stack of Keras's name scopes.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -149,3 +150,36 @@ def backing_variable(variable: Any) -> Any:
         return variable
     _check(variable, "_value", "kmp cannot find a variable's handle")
     return variable._value
+
+
+def with_path(variable: Any, path: str) -> Any:
+    """`variable`, its path (`keras.Variable._path`, set from the name
+    scopes it was made in) set to `path`: a stand-in that optimizers name
+    and choose by as they would the variable it stands for."""
+    _check(variable, "_path", "kmp cannot give a stand-in variable its path")
+    variable._path = path
+    return variable
+
+
+@contextlib.contextmanager
+def name_scopes_restored() -> Iterator[None]:
+    """Leaves Keras's stack of name scopes (the `name_scope_stack` of
+    `keras.src.backend.common.global_state`) as it found it, also where a
+    scope failed to enter: Keras pushes a scope before TensorFlow, in a
+    graph, refuses its name (one starting with `_`), and the scope is then
+    never popped, so that every variable made after it is named under it."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as e:
+        raise changed(
+            "Keras", keras.__version__, "`global_state`",
+            "kmp cannot keep Keras's name scopes as they were",
+        ) from e  # fmt: skip
+    stack = global_state.get_global_attribute(
+        "name_scope_stack", default=[], set_to_default=True
+    )
+    depth = len(stack)
+    try:
+        yield
+    finally:
+        del stack[depth:]

@@ -381,7 +381,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     demo.plot(runs, plot_path, f"kmp demo: {args.model} on scikit-learn digits")
     close = all(abs(r.val_accuracy - base.val_accuracy) <= 0.01 for r in runs)
     converged = args.epochs >= demo.CONVERGED_EPOCHS
-    floor = demo.learned_floor(converged)
+    floor = demo.learned_floor(converged, base.val_accuracy)
     learned = all(r.val_accuracy >= floor for r in runs)
     if args.json:
         print(

@@ -28,13 +28,16 @@ CONVERGED_EPOCHS = 8
 CHANCE = 0.1
 
 
-def learned_floor(converged: bool) -> float:
+def learned_floor(converged: bool, float32_accuracy: float) -> float:
     """The validation accuracy under which a policy's run did not learn: 5x
-    chance for converged runs; 2x chance before, where every policy may
-    still be far from its final accuracy (the transformer after one epoch),
-    while a run that broke (NaN weights, a collapsed loss scale) stays at
-    chance."""
-    return (5 if converged else 2) * CHANCE
+    chance for converged runs. Before, every policy may still be far from
+    its final accuracy (the transformer after one epoch), so a run did not
+    learn under 2x chance or under half of float32's accuracy from the same
+    start: a run that broke (NaN weights, a collapsed loss scale) falls
+    behind float32, at chance or on the way to it."""
+    if converged:
+        return 5 * CHANCE
+    return max(2 * CHANCE, 0.5 * float32_accuracy)
 
 
 @dataclasses.dataclass(frozen=True)
