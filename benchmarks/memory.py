@@ -17,6 +17,9 @@ Each trained with Adam by `fit`, one way per process:
   kmp          `kmp.set_policy(policy)` and `kmp.compile` (the default:
                skip guard, fused update where kmp's rule fuses)
   kmp-unfused  the same with `fused_update=False`
+  kmp-lean     kmp's default, with `kmp.layers.lean_normalization(model)`
+               (batch normalization keeping its 16-bit input, not a float32
+               copy, for the backward pass; the transformer has none)
 
 Per row, two measures of memory, with the median step time:
 
@@ -55,7 +58,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODELS = ("resnet50", "transformer")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-WAYS = ("keras", "kmp", "kmp-unfused")
+WAYS = ("keras", "kmp", "kmp-unfused", "kmp-lean")
 BATCH = {"resnet50": 32, "transformer": 16}
 IMAGE, CLASSES = 128, 1000
 SEQUENCE, VOCAB, WIDTH, HEADS, BLOCKS = 256, 8000, 256, 8, 4
@@ -105,11 +108,13 @@ def run_row(name: str, policy: str, way: str, steps: int) -> dict:
         kmp.set_policy(policy)
     keras.utils.set_random_seed(0)
     model, x, y = build(name)
+    if way == "kmp-lean":
+        model = kmp.layers.lean_normalization(model)
     loss = "sparse_categorical_crossentropy"
     if way == "keras":
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
     else:
-        fused = None if way == "kmp" else False
+        fused = False if way == "kmp-unfused" else None
         kmp.compile(
             model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
         )

@@ -11,6 +11,7 @@ from kmp import debug
 from kmp import distribute
 from kmp import fused
 from kmp import hardware
+from kmp import layers
 from kmp import mixed_precision
 from kmp import optimizers
 from kmp import quantization
@@ -65,6 +66,7 @@ __all__ = [
     "get_policy",
     "hardware",
     "layer_rules",
+    "layers",
     "list_policies",
     "mixed_precision",
     "optimizers",

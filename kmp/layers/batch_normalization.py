@@ -1,0 +1,86 @@
+"""`kmp.layers.BatchNormalization`: Keras's batch normalization, keeping a
+16-bit input as it is for the backward pass."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from kmp.backend import normalization
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class BatchNormalization(keras.layers.BatchNormalization):
+    """Keras's `BatchNormalization`, keeping its 16-bit input as it is for the
+    backward pass instead of a float32 copy.
+
+    Keras's layer casts a float16 or bfloat16 input to float32 and computes
+    from that copy, which the backward pass needs: each normalization keeps
+    a float32 tensor the size of its input until the gradient is computed,
+    twice what the 16-bit input takes. This layer computes the same in
+    float32 (statistics, normalization, moving averages) through
+    TensorFlow's fused batch normalization, which reads the 16-bit input
+    itself and whose gradient needs only that input and one float32 value
+    per channel.
+
+    Everything else is Keras's layer: the same arguments, weights, moving
+    statistics, `training` and `trainable` behaviour (a frozen layer
+    normalizes with its moving statistics), and `get_config`, so a model
+    saved with it loads with `import kmp` and keeps its weights. Where the
+    fused computation does not apply, the layer computes as Keras's does:
+    float32 inputs (nothing to save there), a `mask`, `renorm`,
+    `synchronized=True`, or channels on an axis other than the last.
+
+    `kmp.layers.lean_normalization(model)` puts this layer in place of
+    Keras's in a model that is already built.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> norm = kmp.layers.BatchNormalization()
+    >>> y = norm(np.ones((4, 3), "float32"), training=True)
+    >>> y.dtype, norm.moving_mean.dtype
+    (tf.bfloat16, 'float32')
+    """
+
+    def call(self, inputs, training=None, mask=None):
+        if (
+            mask is not None
+            or self.renorm
+            or self.synchronized
+            or not normalization.fusable(inputs, self.axis)
+        ):
+            return super().call(inputs, training=training, mask=mask)
+        channels = inputs.shape[-1]
+        scale = (
+            tf.convert_to_tensor(self.gamma)
+            if self.scale
+            else tf.ones([channels], tf.float32)
+        )
+        offset = (
+            tf.convert_to_tensor(self.beta)
+            if self.center
+            else tf.zeros([channels], tf.float32)
+        )
+        if training and self.trainable:
+            outputs, mean, variance = normalization.batch_normalization(
+                inputs, scale, offset, None, None, self.epsilon
+            )
+            momentum = self.momentum
+            self.moving_mean.assign(
+                self.moving_mean * momentum + mean * (1.0 - momentum)
+            )
+            self.moving_variance.assign(
+                self.moving_variance * momentum + variance * (1.0 - momentum)
+            )
+        else:
+            outputs, _, _ = normalization.batch_normalization(
+                inputs,
+                scale,
+                offset,
+                tf.convert_to_tensor(self.moving_mean),
+                tf.convert_to_tensor(self.moving_variance),
+                self.epsilon,
+            )
+        return tf.cast(outputs, self.compute_dtype)

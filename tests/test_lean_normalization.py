@@ -1,0 +1,271 @@
+"""kmp.layers.BatchNormalization computes what Keras's computes and keeps its
+16-bit input, not a float32 copy, for the backward pass;
+kmp.layers.lean_normalization puts it in place of Keras's in built models."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.internals import keras_private
+
+
+def _pair(config=None, shape=(None, 6), seed=0):
+    """A Keras BatchNormalization and kmp's, with the same config and
+    weights (gamma, beta and moving statistics away from their defaults)."""
+    config = {"momentum": 0.9, **(config or {})}
+    ours = kmp.layers.BatchNormalization(**config)
+    theirs = keras.layers.BatchNormalization(**config)
+    rng = np.random.default_rng(seed)
+    for layer in (ours, theirs):
+        layer.build(shape)
+    weights = [rng.normal(1, 0.5, w.shape).astype("float32") for w in theirs.weights]
+    weights[-1] = np.abs(weights[-1])  # a variance
+    for layer in (ours, theirs):
+        layer.set_weights(weights)
+    return ours, theirs
+
+
+def _run(layer, x, training):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=training)
+        loss = tf.reduce_sum(tf.cast(y, "float32") * np.linspace(-1, 2, y.shape[-1]))
+    grads = tape.gradient(loss, [x, *layer.trainable_weights])
+    return y, grads
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("shape", [(8, 5, 5, 6), (16, 6), (4, 7, 6), (1, 6)])
+@pytest.mark.parametrize("training", [True, False])
+def test_it_computes_what_keras_computes_from_a_16bit_input(policy, shape, training):
+    kmp.set_policy(policy)
+    ours, theirs = _pair(shape=shape)
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(3, 2, shape).astype("float32"))
+    x = tf.cast(x, ours.compute_dtype)  # what the layer before hands on
+    y_ours, g_ours = _run(ours, x, training)
+    y_theirs, g_theirs = _run(theirs, x, training)
+    assert y_ours.dtype == y_theirs.dtype == x.dtype
+    # One 16-bit rounding of the same float32 value apart at most.
+    step = 2**-7 if policy == "mixed_bfloat16" else 2**-10
+    np.testing.assert_allclose(
+        tf.cast(y_ours, "float32"), tf.cast(y_theirs, "float32"), rtol=step, atol=step
+    )
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        assert a.dtype == b.dtype
+        a, b = tf.cast(a, "float32").numpy(), tf.cast(b, "float32").numpy()
+        scale = max(np.abs(b).max(), 1.0)
+        np.testing.assert_allclose(a, b, rtol=4 * step, atol=4 * step * scale)
+    # The moving statistics move as Keras moves them (or stay, in inference).
+    for a, b in zip(
+        ours.non_trainable_weights, theirs.non_trainable_weights, strict=True
+    ):
+        assert np.all(np.isfinite(a.numpy()))
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_layer_normalizes_with_its_moving_statistics_as_keras_does():
+    kmp.set_policy("mixed_bfloat16")
+    ours, theirs = _pair()
+    ours.trainable = theirs.trainable = False
+    x = tf.cast(np.random.default_rng(2).normal(3, 2, (16, 6)), "bfloat16")
+    before = [w.numpy() for w in ours.non_trainable_weights]
+    np.testing.assert_allclose(
+        tf.cast(ours(x, training=True), "float32"),
+        tf.cast(theirs(x, training=True), "float32"),
+        rtol=2**-7,
+        atol=2**-7,
+    )
+    for a, b in zip(before, ours.non_trainable_weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize(
+    "config, call",
+    [
+        ({}, {}),  # float32: nothing to save, Keras's code
+        ({"renorm": True}, {}),
+        ({}, {"mask": np.array([[True] * 4 + [False] * 3] * 2)}),
+        ({"axis": 1}, {}),
+    ],
+    ids=["float32", "renorm", "mask", "channels-first"],
+)
+def test_where_the_fused_computation_does_not_apply_it_is_kerass(config, call):
+    if config or call:
+        kmp.set_policy("mixed_bfloat16")
+    shape = (2, 7, 6) if config.get("axis") != 1 else (3, 2, 5)
+    ours, theirs = _pair(config, shape=shape)
+    x = tf.constant(np.random.default_rng(3).normal(3, 2, shape).astype("float32"))
+    x = tf.cast(x, ours.compute_dtype)
+    np.testing.assert_array_equal(
+        ours(x, training=True, **call), theirs(x, training=True, **call)
+    )
+    for a, b in zip(ours.weights, theirs.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def _gradient_reads(model, x, y):
+    """The (dtype, element count) of every tensor the backward pass of one
+    training step reads from the forward pass: what the step holds from
+    the forward pass until the gradient is computed."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(x, y).graph
+    backward = {op for op in graph.get_operations() if "gradient_tape" in op.name}
+    return [
+        (t.dtype.name, t.shape.num_elements())
+        for op in backward
+        for t in op.inputs
+        if t.op not in backward and t.shape.num_elements()
+    ]
+
+
+def _conv_net(batch_norm):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(inputs)
+    x = batch_norm(name="norm")(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(x))
+
+
+def test_the_backward_pass_keeps_the_16bit_input_and_no_float32_copy():
+    kmp.set_policy("mixed_bfloat16")
+    x = tf.constant(np.random.default_rng(4).random((4, 16, 16, 3), "float32"))
+    y = tf.constant([0, 1, 2, 0])
+    activation = 4 * 16 * 16 * 8  # elements of the conv's output
+    kept = {}
+    for name, layer in (
+        ("keras", keras.layers.BatchNormalization),
+        ("kmp", kmp.layers.BatchNormalization),
+    ):
+        reads = _gradient_reads(kmp.prepare(_conv_net(layer)), x, y)
+        kept[name] = {dtype for dtype, size in reads if size == activation}
+    assert kept["keras"] == {"float32", "bfloat16"}  # Keras's copy is there
+    assert kept["kmp"] == {"bfloat16"}
+
+
+def test_lean_normalization_replaces_every_keras_batch_normalization():
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential(
+        [keras.layers.Dense(4), keras.layers.BatchNormalization(name="inner_norm")],
+        name="block",
+    )
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(4, name="dense")(inputs)
+    x = keras.layers.BatchNormalization(name="outer_norm")(x)
+    outputs = keras.layers.Dense(2, dtype="float32")(inner(x))
+    model = keras.Model(inputs, outputs)
+    data = np.random.default_rng(5).normal(size=(32, 5)).astype("float32")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, data[:, :2], epochs=1, batch_size=8, verbose=0)  # moves stats
+
+    lean = kmp.layers.lean_normalization(model)
+
+    norms = [
+        layer
+        for layer in keras_private.sublayers(lean)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    assert sorted(n.name for n in norms) == ["inner_norm", "outer_norm"]
+    assert all(type(n) is kmp.layers.BatchNormalization for n in norms)
+    assert lean.get_layer("dense") is model.get_layer("dense")  # shared
+    for old, new in (
+        (model.get_layer("outer_norm"), lean.get_layer("outer_norm")),
+        (
+            inner.get_layer("inner_norm"),
+            lean.get_layer("block").get_layer("inner_norm"),
+        ),
+    ):
+        assert new is not old
+        for a, b in zip(old.weights, new.weights, strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_allclose(lean(data), model(data), rtol=2**-6, atol=2**-6)
+
+
+def test_lean_normalization_trains_keras_applications_under_kmp():
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV2(
+        weights=None, input_shape=(32, 32, 3), classes=3, alpha=0.35
+    )
+    count = sum(type(la) is keras.layers.BatchNormalization for la in model.layers)
+    lean = kmp.layers.lean_normalization(model)
+    assert count > 10
+    assert sum(type(la) is kmp.layers.BatchNormalization for la in lean.layers) == count
+    # Eager steps: the same layers and dtypes as traced ones, at a fraction
+    # of the cost of tracing this model (the traced step is checked above).
+    kmp.compile(
+        lean,
+        optimizer="adam",
+        loss="sparse_categorical_crossentropy",
+        run_eagerly=True,
+        fused_update=False,
+    )
+    rng = np.random.default_rng(6)
+    x, y = rng.random((8, 32, 32, 3), "float32"), rng.integers(0, 3, 8)
+    history = lean.fit(x, y, epochs=3, batch_size=8, verbose=0)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_a_lean_model_saves_and_loads_with_its_layers(tmp_path):
+    kmp.set_policy("mixed_bfloat16")
+    lean = kmp.layers.lean_normalization(_conv_net(keras.layers.BatchNormalization))
+    x = np.random.default_rng(7).random((2, 16, 16, 3), "float32")
+    lean.save(tmp_path / "lean.keras")
+    loaded = keras.models.load_model(tmp_path / "lean.keras")
+    assert type(loaded.get_layer("norm")) is kmp.layers.BatchNormalization
+    np.testing.assert_array_equal(loaded(x), lean(x))
+
+
+def test_a_model_without_batch_normalization_is_given_back_as_it_is():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert kmp.layers.lean_normalization(model) is model
+
+
+def test_a_batch_normalization_inside_a_subclassed_layer_is_named():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.norm = keras.layers.BatchNormalization(name="hidden_norm")
+
+        def call(self, x):
+            return self.norm(x)
+
+    inputs = keras.Input((4,))
+    x = keras.layers.BatchNormalization(name="seen")(Block(name="block")(inputs))
+    model = keras.Model(inputs, x)
+    with pytest.warns(UserWarning, match="block/hidden_norm"):
+        lean = kmp.layers.lean_normalization(model)
+    assert type(lean.get_layer("seen")) is kmp.layers.BatchNormalization
+
+
+def test_bad_input_is_refused_with_the_fix():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.norm = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.norm(x)
+
+    with pytest.raises(TypeError, match=r"expects a keras\.Model"):
+        kmp.layers.lean_normalization(keras.layers.BatchNormalization())
+    subclassed = Net()
+    subclassed(np.zeros((2, 3), "float32"))
+    with pytest.raises(ValueError, match=r"kmp\.layers\.BatchNormalization in place"):
+        kmp.layers.lean_normalization(subclassed)
+    unbuilt = keras.Sequential([keras.layers.BatchNormalization()])
+    with pytest.raises(ValueError, match="needs a built model"):
+        kmp.layers.lean_normalization(unbuilt)
