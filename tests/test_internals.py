@@ -73,6 +73,11 @@ def test_every_keras_attribute_kmp_reads_is_there():
     ):
         keras.name_scope("_refused").__enter__()
     assert keras.Variable(np.zeros(2), name="after").path == "after"
+    assert keras_private.is_plain_graph_model(model)
+    assert keras_private.is_plain_graph_model(keras.Sequential([keras.Input((1,))]))
+    assert not keras_private.is_plain_graph_model(Subclassed())
+    keras_private.set_own_trainable(model, False)
+    assert not model.trainable and model.get_layer("head").trainable
 
 
 def test_a_model_that_is_not_a_graph_is_told_apart_from_a_changed_keras():

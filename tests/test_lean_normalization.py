@@ -89,8 +89,9 @@ def test_a_frozen_layer_normalizes_with_its_moving_statistics_as_keras_does():
         ({"renorm": True}, {}),
         ({}, {"mask": np.array([[True] * 4 + [False] * 3] * 2)}),
         ({"axis": 1}, {}),
+        ({"dtype": "bfloat16"}, {}),  # weights the fused kernel does not take
     ],
-    ids=["float32", "renorm", "mask", "channels-first"],
+    ids=["float32", "renorm", "mask", "channels-first", "bfloat16-weights"],
 )
 def test_where_the_fused_computation_does_not_apply_it_is_kerass(config, call):
     if config or call:
@@ -167,8 +168,7 @@ def test_lean_normalization_replaces_every_keras_batch_normalization():
     outputs = keras.layers.Dense(2, dtype="float32")(inner(x))
     model = keras.Model(inputs, outputs)
     data = np.random.default_rng(5).normal(size=(32, 5)).astype("float32")
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(data, data[:, :2], epochs=1, batch_size=8, verbose=0)  # moves stats
+    model(data, training=True)  # moves the moving statistics
 
     lean = kmp.layers.lean_normalization(model)
 
@@ -269,3 +269,67 @@ def test_bad_input_is_refused_with_the_fix():
     unbuilt = keras.Sequential([keras.layers.BatchNormalization()])
     with pytest.raises(ValueError, match="needs a built model"):
         kmp.layers.lean_normalization(unbuilt)
+
+
+def test_a_channel_count_unknown_at_trace_time_is_computed_as_keras_does():
+    kmp.set_policy("mixed_bfloat16")
+    ours, theirs = _pair()
+    x = tf.cast(np.random.default_rng(8).normal(3, 2, (16, 6)), "bfloat16")
+    spec = [tf.TensorSpec([None, None], tf.bfloat16)]
+    outputs = [
+        tf.function(
+            lambda x, layer=layer: layer(x, training=True), input_signature=spec
+        )(x)
+        for layer in (ours, theirs)
+    ]
+    np.testing.assert_array_equal(*outputs)
+
+
+def test_models_of_other_classes_and_compiled_models_are_refused():
+    class OwnSequential(keras.Sequential):
+        pass
+
+    own = OwnSequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+    with pytest.raises(ValueError, match="OwnSequential, which the rebuild"):
+        kmp.layers.lean_normalization(own)
+    compiled = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+    kmp.compile(compiled, optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="before it is compiled"):
+        kmp.layers.lean_normalization(compiled)
+
+
+def test_what_cannot_be_replaced_is_left_and_named():
+    class OwnNorm(keras.layers.BatchNormalization):
+        pass
+
+    class OwnFunctional(keras.Model):
+        pass
+
+    inputs = keras.Input((4,))
+    held = OwnFunctional(inputs, keras.layers.BatchNormalization(name="held")(inputs))
+    x = OwnNorm(name="own")(inputs)
+    x = keras.layers.BatchNormalization(name="seen")(held(x))
+    with pytest.warns(UserWarning) as caught:
+        lean = kmp.layers.lean_normalization(keras.Model(inputs, x))
+    (message,) = [
+        str(w.message) for w in caught if "lean_normalization" in str(w.message)
+    ]
+    assert "'own' (of OwnNorm" in message and "'held' (inside" in message
+    assert type(lean.get_layer("seen")) is kmp.layers.BatchNormalization
+    assert type(lean.get_layer("own")) is OwnNorm
+    assert lean.layers[2] is held  # kept, with its class
+
+
+def test_frozen_models_stay_frozen():
+    inputs = keras.Input((4,))
+    base = keras.Model(inputs, keras.layers.BatchNormalization()(inputs), name="base")
+    base.trainable = False
+    outer_inputs = keras.Input((4,))
+    outer = keras.Model(outer_inputs, keras.layers.Dense(2)(base(outer_inputs)))
+    lean = kmp.layers.lean_normalization(outer)
+    rebuilt = lean.get_layer("base")
+    assert rebuilt is not base and not rebuilt.trainable
+    assert len(lean.trainable_weights) == 2  # the head's kernel and bias
+    frozen = keras.Model(outer_inputs, base(outer_inputs))
+    frozen.trainable = False
+    assert not kmp.layers.lean_normalization(frozen).trainable

@@ -20,13 +20,15 @@ SIXTEEN_BIT = (tf.float16, tf.bfloat16)
 
 def fusable(x: tf.Tensor, axis: int) -> bool:
     """Whether `batch_normalization` computes this input: a 16-bit tensor
-    of rank 2 or more whose channels are its last axis."""
+    of rank 2 or more whose channels are its last axis, their number
+    known."""
     rank = x.shape.rank
     return (
         x.dtype in SIXTEEN_BIT
         and rank is not None
         and rank >= 2
         and axis in (-1, rank - 1)
+        and x.shape[-1] is not None
     )
 
 
@@ -42,7 +44,8 @@ def batch_normalization(
 
     Args:
         x: A 16-bit tensor, channels last (`fusable(x, -1)`).
-        scale, offset: float32, one value per channel.
+        scale, offset: float32 (the only type the fused kernel takes for
+            them), one value per channel.
         mean, variance: The float32 statistics to normalize with (inference),
             or both `None` to normalize with the batch's own (training).
         epsilon: Added to the variance.

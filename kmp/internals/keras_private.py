@@ -2,8 +2,9 @@
 converts its inputs, a functional model's graph, the input shapes a model
 was built with, the tracker that locks a model's state, the attention
 methods kmp's attention rule compares, an optimizer's variables, the
-backend variable inside a `keras.Variable`, a variable's path, and the
-stack of Keras's name scopes.
+backend variable inside a `keras.Variable`, a variable's path, the
+stack of Keras's name scopes, whether a model is of Keras's own graph
+classes, and a container's own trainable flag.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -183,3 +184,18 @@ def name_scopes_restored() -> Iterator[None]:
         yield
     finally:
         del stack[depth:]
+
+
+def is_plain_graph_model(model: Any) -> bool:
+    """Whether `model` is a `keras.Sequential` or a Functional model of
+    Keras's own class (`keras.Model(inputs, outputs)`), not of a subclass:
+    what Keras's `clone_model` rebuilds as the class it was."""
+    return type(model) is keras.Sequential or type(model) is type(_probe_model())
+
+
+def set_own_trainable(layer: keras.layers.Layer, value: bool) -> None:
+    """Sets `layer.trainable` for the layer itself (`Layer._trainable`),
+    leaving its sublayers' own flags as they are (the public setter sets
+    every sublayer's too)."""
+    _check(layer, "_trainable", "kmp cannot keep a rebuilt model frozen")
+    layer._trainable = bool(value)

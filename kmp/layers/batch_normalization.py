@@ -28,8 +28,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
     normalizes with its moving statistics), and `get_config`, so a model
     saved with it loads with `import kmp` and keeps its weights. Where the
     fused computation does not apply, the layer computes as Keras's does:
-    float32 inputs (nothing to save there), a `mask`, `renorm`,
-    `synchronized=True`, or channels on an axis other than the last.
+    float32 inputs (nothing to save there; a layer whose policy computes in
+    float32 gets its input cast to float32 before its call), weights that
+    are not float32 (a pure 16-bit policy), a `mask`, `renorm`,
+    `synchronized=True`, channels on an axis other than the last, or a
+    number of channels unknown when the call is traced.
 
     `kmp.layers.lean_normalization(model)` puts this layer in place of
     Keras's in a model that is already built.
@@ -50,6 +53,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             or self.renorm
             or self.synchronized
             or not normalization.fusable(inputs, self.axis)
+            or any(weight.dtype != "float32" for weight in self.weights)
         ):
             return super().call(inputs, training=training, mask=mask)
         channels = inputs.shape[-1]

@@ -8,33 +8,36 @@ import keras
 from kmp._base import warn as _warn
 from kmp.internals import keras_private
 from kmp.layers.batch_normalization import BatchNormalization
-from kmp.precision import traversal
 
 
 def lean_normalization(model: keras.Model) -> keras.Model:
-    """A model that computes as `model` does, with every Keras
-    `BatchNormalization` layer replaced by `kmp.layers.BatchNormalization`.
+    """A model that computes as `model` does, with its Keras
+    `BatchNormalization` layers replaced by `kmp.layers.BatchNormalization`.
 
     Under a 16-bit policy the replacement keeps each normalization's 16-bit
     input for the backward pass where Keras's layer keeps a float32 copy of
     it, so training holds less memory; the values computed are the same up
-    to float32 rounding. Under float32 nothing changes.
+    to a 16-bit rounding of the output. Under float32 nothing changes.
 
     The model is rebuilt with Keras's `keras.models.clone_model`: each
     replacement takes its layer's config and weights (moving statistics
     included), and every other layer is the same object, with the same
-    weights, in both models. Use the returned model from then on, and
-    compile it (`kmp.compile`) as you would have compiled `model`: the
-    optimizer of `model` does not carry over.
+    weights, in both models. Use the returned model from then on, and build
+    on its graph (`new.input`, `new.output`): a shared layer's `.output` is
+    the one of its first call, in `model`.
 
-    Sequential and Functional models are rebuilt, nested ones included. A
-    subclassed model cannot be rebuilt from outside: use
-    `kmp.layers.BatchNormalization` in its code. Layers inside a subclassed
-    layer of a Functional model are left as they are, with a warning that
-    names them.
+    Keras's own `Sequential` and Functional models are rebuilt, nested ones
+    included. A model of another class (a subclassed model, or a subclass
+    of `Sequential` or of a Functional model, such as KerasHub's models)
+    would lose its class in the rebuild and is refused: use
+    `kmp.layers.BatchNormalization` in its code. Normalization layers that
+    cannot be replaced from outside (inside such a model or another
+    subclassed layer nested in `model`, or of a subclass of Keras's layer)
+    are left as they are, with a warning that names them.
 
     Args:
-        model: A built Sequential or Functional `keras.Model`.
+        model: A built `keras.Sequential` or Functional `keras.Model`, not
+            compiled yet.
 
     Returns:
         The new model, or `model` itself if it has no Keras
@@ -42,8 +45,10 @@ def lean_normalization(model: keras.Model) -> keras.Model:
 
     Raises:
         TypeError: if `model` is not a Keras model.
-        ValueError: if `model` is not Sequential or Functional, or is not
-            built.
+        ValueError: if `model` is not of Keras's `Sequential` or Functional
+            class, is not built, or is compiled (Keras's rebuild would
+            compile the new model from the config, without kmp's loss
+            scaling and with a fresh optimizer).
 
     Example:
 
@@ -63,12 +68,14 @@ def lean_normalization(model: keras.Model) -> keras.Model:
             "lean_normalization() expects a keras.Model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
-    if not traversal.is_graph(model):
+    if not keras_private.is_plain_graph_model(model):
         raise ValueError(
-            f"lean_normalization() rebuilds Sequential and Functional "
-            f"models; {model.name!r} is a subclassed model "
-            f"({type(model).__name__}), which cannot be rebuilt from outside. "
-            "Use kmp.layers.BatchNormalization in place of "
+            "lean_normalization() rebuilds models of Keras's own Sequential "
+            f"and Functional classes; {model.name!r} is a "
+            f"{type(model).__name__}, which the rebuild would turn into a "
+            "plain Sequential or Functional model, losing its code (its "
+            "train_step, methods and attributes). Use "
+            "kmp.layers.BatchNormalization in place of "
             "keras.layers.BatchNormalization in its code."
         )
     if not model.built:
@@ -77,52 +84,92 @@ def lean_normalization(model: keras.Model) -> keras.Model:
             "not built. Build it first (call it on a batch, or give it an "
             "Input)."
         )
-    kept = _unreplaceable(model)
-    if kept:
-        _warn.warn(
-            "kmp.layers.lean_normalization left these BatchNormalization "
-            "layers as Keras's, keeping a float32 copy of their input for "
-            "the backward pass: they sit in subclassed layers, whose code "
-            f"creates them: {', '.join(kept)}. Use kmp.layers."
-            "BatchNormalization in that code."
+    if model.compiled:
+        raise ValueError(
+            f"lean_normalization() takes a model before it is compiled; "
+            f"{model.name!r} is compiled, and Keras's rebuild would compile "
+            "the new model from its config, with a fresh optimizer and "
+            "without kmp's loss scaling. Call lean_normalization() first, "
+            "then kmp.compile the model it returns."
         )
-    replaced = []
-
-    def replace(layer):
-        if type(layer) is not keras.layers.BatchNormalization:
-            return layer  # the same layer, shared with `model`
-        new = BatchNormalization.from_config(layer.get_config())
-        replaced.append((layer, new))
-        return new
-
-    if not any(
-        type(layer) is keras.layers.BatchNormalization
-        for layer in _rebuilt_layers(model)
-    ):
-        return model
-    clone = keras.models.clone_model(model, clone_function=replace, recursive=True)
-    for old, new in replaced:
-        new.set_weights(old.get_weights())
+    left: list[str] = []
+    clone = _rebuilt(model, {}, left)
+    left = list(dict.fromkeys(left))  # a layer reached twice is named once
+    if left:
+        _warn.warn(
+            f"kmp.layers.lean_normalization left {len(left)} "
+            "BatchNormalization layers as they were, each keeping a float32 "
+            "copy of its 16-bit input for the backward pass: "
+            f"{'; '.join(left)}. Use kmp.layers.BatchNormalization in the "
+            "code that creates them."
+        )
     return clone
 
 
-def _rebuilt_layers(model):
-    """The layers `clone_model(recursive=True)` hands to its clone function:
-    those of `model` and of the Sequential and Functional models in it."""
-    for layer in model.layers:
-        yield layer
-        if traversal.is_graph(layer):
-            yield from _rebuilt_layers(layer)
+def _replaceable(layer) -> bool:
+    return type(layer) is keras.layers.BatchNormalization
 
 
-def _unreplaceable(model) -> list[str]:
-    """Paths of Keras BatchNormalization layers inside layers that are not
-    Sequential or Functional models: their owners' code creates them."""
+def _rebuilt(model, made: dict, left: list[str]):
+    """`model` rebuilt with kmp's normalization (`made`: the replacements
+    so far, by the id of the layer replaced, so that a layer shared across
+    nested models is replaced once), or `model` itself where nothing in it
+    is replaced; what cannot be replaced is added to `left`."""
+    replaced = []
+
+    def replace(layer):
+        if _replaceable(layer):
+            if id(layer) not in made:
+                made[id(layer)] = BatchNormalization.from_config(layer.get_config())
+                replaced.append((layer, made[id(layer)]))
+            return made[id(layer)]
+        if keras_private.is_plain_graph_model(layer):
+            return _rebuilt(layer, made, left)
+        left.extend(_left_inside(layer))
+        return layer  # the same layer, shared with `model`
+
+    if not any(map(_reaches_replaceable, model.layers)):
+        for layer in model.layers:
+            left.extend(_left_inside(layer))
+        return model
+    clone = keras.models.clone_model(model, clone_function=replace)
+    for old, new in replaced:
+        new.set_weights(old.get_weights())
+    if not model.trainable:
+        # Keras's rebuild of a Functional model leaves it trainable.
+        keras_private.set_own_trainable(clone, False)
+    return clone
+
+
+def _reaches_replaceable(layer) -> bool:
+    """Whether `layer` is, or holds through Keras's own graph models, a
+    normalization `lean_normalization` replaces."""
+    if _replaceable(layer):
+        return True
+    return keras_private.is_plain_graph_model(layer) and any(
+        map(_reaches_replaceable, layer.layers)
+    )
+
+
+def _left_inside(layer) -> list[str]:
+    """The batch normalizations in `layer` (itself included) that cannot be
+    replaced from outside, each with the reason."""
+    if _replaceable(layer):
+        return []
+    if keras_private.is_plain_graph_model(layer):
+        return [found for inner in layer.layers for found in _left_inside(inner)]
     found = []
-    for layer in _rebuilt_layers(model):
-        if traversal.is_graph(layer):
+    for norm in keras_private.sublayers(layer, include_self=True):
+        if not isinstance(norm, keras.layers.BatchNormalization):
             continue
-        for inner in keras_private.sublayers(layer):
-            if type(inner) is keras.layers.BatchNormalization:
-                found.append(inner.path)
+        if norm is layer:
+            found.append(
+                f"{norm.path!r} (of {type(norm).__name__}, a subclass of "
+                "Keras's layer, whose code kmp would lose)"
+            )
+        else:
+            found.append(
+                f"{norm.path!r} (inside {layer.name!r}, a "
+                f"{type(layer).__name__} whose own code creates it)"
+            )
     return found
