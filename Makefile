@@ -33,9 +33,11 @@ lint: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The suite runs on every core (pytest-xdist), test by test; tests that
-# share a cached reference run on one worker (their xdist_group).
+# share a cached reference run on one worker (their xdist_group). Bytecode
+# is written (into .venv and the tree's ignored __pycache__) so that what
+# one of its processes compiles, the others do not compile again.
 test: lint
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadgroup
+	PYTHONDONTWRITEBYTECODE= TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadgroup
 
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo
