@@ -18,8 +18,8 @@ Each trained with Adam by `fit`, one way per process:
                skip guard, fused update where kmp's rule fuses)
   kmp-unfused  the same with `fused_update=False`
   kmp-lean     kmp's default, with `kmp.layers.lean_normalization(model)`
-               (batch normalization keeping its 16-bit input, not a float32
-               copy, for the backward pass; the transformer has none)
+               (batch and layer normalization keeping their 16-bit input,
+               not a float32 copy, for the backward pass)
 
 Per row, two measures of memory, with the median step time:
 

@@ -264,7 +264,10 @@ def test_bad_input_is_refused_with_the_fix():
         kmp.layers.lean_normalization(keras.layers.BatchNormalization())
     subclassed = Net()
     subclassed(np.zeros((2, 3), "float32"))
-    with pytest.raises(ValueError, match=r"kmp\.layers\.BatchNormalization in place"):
+    with pytest.raises(
+        ValueError,
+        match=r"kmp\.layers\.BatchNormalization and kmp\.layers\.LayerNormalization in",
+    ):
         kmp.layers.lean_normalization(subclassed)
     unbuilt = keras.Sequential([keras.layers.BatchNormalization()])
     with pytest.raises(ValueError, match="needs a built model"):
@@ -333,3 +336,115 @@ def test_frozen_models_stay_frozen():
     frozen = keras.Model(outer_inputs, base(outer_inputs))
     frozen.trainable = False
     assert not kmp.layers.lean_normalization(frozen).trainable
+
+
+def test_the_precision_report_says_where_a_float32_copy_is_kept():
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.prepare(_conv_net(keras.layers.BatchNormalization))
+    report = kmp.precision_report(model, trace=False)
+    assert "1 normalization layer ('norm') keeps a float32 copy" in report.memory
+    assert "kmp.layers.lean_normalization(model)" in str(report)
+    lean = kmp.prepare(kmp.layers.lean_normalization(model))
+    assert kmp.precision_report(lean, trace=False).memory == ""
+    kmp.set_policy("float32")
+    assert kmp.precision_report(_conv_net(keras.layers.BatchNormalization)).memory == ""
+
+
+# --- LayerNormalization ------------------------------------------------------
+
+
+def _layer_norm_pair(config=None, shape=(None, 6)):
+    ours = kmp.layers.LayerNormalization(**(config or {}))
+    theirs = keras.layers.LayerNormalization(**(config or {}))
+    rng = np.random.default_rng(9)
+    for layer in (ours, theirs):
+        layer.build(shape)
+    weights = [rng.normal(1, 0.5, w.shape).astype("float32") for w in theirs.weights]
+    for layer in (ours, theirs):
+        layer.set_weights(weights)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("shape", [(8, 6), (4, 5, 6)])
+def test_layer_normalization_computes_what_keras_computes(policy, shape):
+    kmp.set_policy(policy)
+    ours, theirs = _layer_norm_pair(shape=shape)
+    x = tf.constant(np.random.default_rng(10).normal(3, 2, shape).astype("float32"))
+    x = tf.cast(x, ours.compute_dtype)
+    y_ours, g_ours = _run(ours, x, training=True)
+    y_theirs, g_theirs = _run(theirs, x, training=True)
+    step = 2**-7 if policy == "mixed_bfloat16" else 2**-10
+    assert y_ours.dtype == y_theirs.dtype == x.dtype
+    np.testing.assert_allclose(
+        tf.cast(y_ours, "float32"), tf.cast(y_theirs, "float32"), rtol=step, atol=step
+    )
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        assert a.dtype == b.dtype
+        a, b = tf.cast(a, "float32").numpy(), tf.cast(b, "float32").numpy()
+        scale = max(np.abs(b).max(), 1.0)
+        np.testing.assert_allclose(a, b, rtol=4 * step, atol=4 * step * scale)
+
+
+@pytest.mark.parametrize(
+    "config, shape",
+    [
+        ({"rms_scaling": True}, (4, 6)),
+        ({"axis": [1, 2]}, (2, 3, 6)),
+        ({"dtype": "bfloat16"}, (4, 6)),
+        ({}, (4, 6)),  # float32
+    ],
+    ids=["rms", "two-axes", "bfloat16-weights", "float32"],
+)
+def test_where_kmps_layer_normalization_does_not_apply_it_is_kerass(config, shape):
+    if config:
+        kmp.set_policy("mixed_bfloat16")
+    ours, theirs = _layer_norm_pair(config, shape=shape)
+    x = tf.constant(np.random.default_rng(11).normal(3, 2, shape).astype("float32"))
+    x = tf.cast(x, ours.compute_dtype)
+    np.testing.assert_array_equal(ours(x), theirs(x))
+
+
+def _token_net(layer_norm):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,), dtype="int32")
+    x = keras.layers.Embedding(50, 32)(inputs)
+    x = x + keras.layers.Dense(32, name="mix")(x)  # an operation, not a layer
+    x = layer_norm(name="norm")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(x))
+
+
+def test_layer_normalization_backward_keeps_the_16bit_input_and_no_float32_copy():
+    kmp.set_policy("mixed_bfloat16")
+    x = tf.constant(np.random.default_rng(13).integers(0, 50, (4, 16)), "int32")
+    y = tf.constant([0, 1, 2, 0])
+    activation = 4 * 16 * 32
+    kept = {}
+    for name, layer in (
+        ("keras", keras.layers.LayerNormalization),
+        ("kmp", kmp.layers.LayerNormalization),
+    ):
+        reads = _gradient_reads(kmp.prepare(_token_net(layer)), x, y)
+        kept[name] = {dtype for dtype, size in reads if size == activation}
+    assert "float32" in kept["keras"]  # Keras's copy is there
+    assert kept["kmp"] == {"bfloat16"}
+
+
+def test_lean_normalization_replaces_layer_normalization_and_trains():
+    kmp.set_policy("mixed_bfloat16")
+    model = _token_net(keras.layers.LayerNormalization)
+    report = kmp.precision_report(kmp.prepare(model), trace=False)
+    assert "1 normalization layer ('norm')" in report.memory
+    lean = kmp.layers.lean_normalization(model)
+    assert type(lean.get_layer("norm")) is kmp.layers.LayerNormalization
+    assert kmp.precision_report(lean, trace=False).memory == ""
+    kmp.compile(
+        lean,
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+    )
+    rng = np.random.default_rng(14)
+    x, y = rng.integers(0, 50, (32, 16)).astype("int32"), rng.integers(0, 3, 32)
+    losses = lean.fit(x, y, epochs=4, batch_size=16, verbose=0).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

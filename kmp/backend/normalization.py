@@ -1,5 +1,5 @@
-"""Batch normalization of a 16-bit tensor that keeps only the 16-bit tensor
-for the backward pass.
+"""Batch and layer normalization of a 16-bit tensor that keep the 16-bit
+tensor, not a float32 copy, for the backward pass.
 
 Keras's `BatchNormalization` casts a 16-bit input to float32 and computes
 from that copy; the backward pass needs the copy, so every normalization
@@ -9,6 +9,9 @@ network most of what mixed precision was to save. TensorFlow's fused batch
 normalization (`FusedBatchNormV3`) takes the 16-bit tensor itself with
 float32 scale, offset and statistics, computes in float32 inside, and its
 gradient reads the 16-bit input and per-channel float32 statistics only.
+Layer normalization has no such kernel: `layer_normalization` is a custom
+gradient that keeps the 16-bit input and a float32 mean and inverse
+deviation per row, and recomputes the normalized values in float32.
 """
 
 from __future__ import annotations
@@ -78,3 +81,43 @@ def batch_normalization(
         count = tf.cast(tf.shape(x4)[0], tf.float32)
         used_variance = used_variance * ((count - 1.0) / count)
     return tf.reshape(y, shape), used_mean, used_variance
+
+
+def layer_normalization(
+    x: tf.Tensor, scale: tf.Tensor, offset: tf.Tensor, epsilon: float
+) -> tf.Tensor:
+    """`x` normalized over its last axis, times `scale` plus `offset`,
+    computed in float32 and returned in `x`'s dtype, with a gradient that
+    keeps `x` as it is (16-bit) and a float32 mean and inverse deviation
+    per row, and recomputes the rest in float32.
+
+    Args:
+        x: A 16-bit tensor (`fusable(x, -1)`).
+        scale, offset: float32, one value per feature of the last axis.
+        epsilon: Added to the variance.
+    """
+
+    @tf.custom_gradient
+    def normalize(x, scale, offset):
+        wide = tf.cast(x, tf.float32)
+        mean, variance = tf.nn.moments(wide, axes=[-1], keepdims=True)
+        inverse = tf.math.rsqrt(variance + epsilon)
+        y = tf.cast((wide - mean) * inverse * scale + offset, x.dtype)
+
+        def gradient(dy):
+            dy = tf.cast(dy, tf.float32)
+            normalized = (tf.cast(x, tf.float32) - mean) * inverse
+            batch_axes = list(range(x.shape.rank - 1))
+            d_scale = tf.reduce_sum(dy * normalized, axis=batch_axes)
+            d_offset = tf.reduce_sum(dy, axis=batch_axes)
+            g = dy * scale
+            dx = inverse * (
+                g
+                - tf.reduce_mean(g, axis=-1, keepdims=True)
+                - normalized * tf.reduce_mean(g * normalized, axis=-1, keepdims=True)
+            )
+            return tf.cast(dx, x.dtype), d_scale, d_offset
+
+        return y, gradient
+
+    return normalize(x, scale, offset)

@@ -16,6 +16,8 @@ from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
 from kmp.diagnostics import doctor
 from kmp.diagnostics import underflow
+from kmp.layers import batch_normalization
+from kmp.layers import layer_normalization
 from kmp.planning import applied as applied_lib
 from kmp.planning import decisions as planning
 from kmp.precision import policy as policy_lib
@@ -93,6 +95,10 @@ class PrecisionReport:
             fix (`kmp.precision.policy.lost_policy`); `''` elsewhere.
         underflow: The gradient underflow measured on the sample
             (`kmp.debug.gradient_underflow`), or None.
+        memory: Where the model's Keras normalization layers keep a
+            float32 copy of their 16-bit input for the backward pass, that
+            sentence with what keeps the 16-bit input instead
+            (`kmp.layers`); `''` elsewhere.
     """
 
     model_name: str
@@ -104,6 +110,7 @@ class PrecisionReport:
     remapper: str = ""
     policy_lost: str = ""
     underflow: underflow_lib.Underflow | None = None
+    memory: str = ""
 
     def __iter__(self) -> Iterator[LayerPrecision]:
         return iter(self.rows)
@@ -153,6 +160,8 @@ class PrecisionReport:
             lines.append(f"Outputs: {', '.join(self.outputs)}")
         if self.loss_scaling:
             lines.append(f"Loss scaling: {self.loss_scaling}")
+        if self.memory:
+            lines.append(textwrap.fill(self.memory, width=88, break_on_hyphens=False))
         if self.not_traced:
             lines.append(f"Not traced: {self.not_traced}.")
         if self.remapper:
@@ -402,4 +411,30 @@ def precision_report(
         ),
         policy_lost=policy_lib.lost_policy(the_plan.base.keras_name),
         underflow=measured,
+        memory=_memory_note(the_plan),
+    )
+
+
+def _memory_note(decisions) -> str:
+    """What the model's normalizations keep for the backward pass, where
+    kmp's layer would keep less; `''` elsewhere."""
+    copies = [
+        d.path
+        for d in decisions
+        if batch_normalization.keeps_float32_copy(d.layer)
+        or layer_normalization.keeps_float32_copy(d.layer)
+    ]
+    if not copies:
+        return ""
+    named = ", ".join(repr(path) for path in copies[:3])
+    more = f" and {len(copies) - 3} more" if len(copies) > 3 else ""
+    layers = "layer" if len(copies) == 1 else "layers"
+    keep = "keeps" if len(copies) == 1 else "keep"
+    return (
+        f"Memory: {len(copies)} normalization {layers} ({named}{more}) "
+        f"{keep} a float32 copy of the 16-bit input for the backward pass, twice "
+        "the memory of the input itself. kmp.layers.lean_normalization(model) "
+        "(before compiling a Keras Sequential or Functional model), or "
+        "kmp.layers.BatchNormalization and LayerNormalization in the model's "
+        "code, keep the 16-bit input instead."
     )

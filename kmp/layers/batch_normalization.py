@@ -35,7 +35,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     number of channels unknown when the call is traced.
 
     `kmp.layers.lean_normalization(model)` puts this layer in place of
-    Keras's in a model that is already built.
+    Keras's in a model that is built and not compiled yet.
 
     Example:
 
@@ -50,10 +50,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def call(self, inputs, training=None, mask=None):
         if (
             mask is not None
-            or self.renorm
-            or self.synchronized
+            or not _fusable_settings(self)
             or not normalization.fusable(inputs, self.axis)
-            or any(weight.dtype != "float32" for weight in self.weights)
         ):
             return super().call(inputs, training=training, mask=mask)
         channels = inputs.shape[-1]
@@ -88,3 +86,34 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 self.epsilon,
             )
         return tf.cast(outputs, self.compute_dtype)
+
+
+def _fusable_settings(layer: keras.layers.BatchNormalization) -> bool:
+    """Whether the layer's settings allow the fused computation: no
+    renormalization, no synchronized statistics, float32 weights (the only
+    type the fused kernel takes for them)."""
+    return (
+        not layer.renorm
+        and not layer.synchronized
+        and all(weight.dtype == "float32" for weight in layer.weights)
+    )
+
+
+def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
+    """Whether `layer` is a built Keras `BatchNormalization` (not kmp's)
+    that keeps a float32 copy of its 16-bit input for the backward pass,
+    where `kmp.layers.BatchNormalization` with the same settings would keep
+    the 16-bit input."""
+    if not isinstance(layer, keras.layers.BatchNormalization) or isinstance(
+        layer, BatchNormalization
+    ):
+        return False
+    if layer.compute_dtype not in ("float16", "bfloat16") or not layer.built:
+        return False
+    rank = getattr(layer.input_spec, "ndim", None)
+    return (
+        _fusable_settings(layer)
+        and rank is not None
+        and rank >= 2
+        and layer.axis in (-1, rank - 1)
+    )

@@ -1,4 +1,4 @@
-"""`kmp.layers.lean_normalization`: a built model with kmp's batch
+"""`kmp.layers.lean_normalization`: a built model with kmp's batch and layer
 normalization in place of Keras's."""
 
 from __future__ import annotations
@@ -8,14 +8,22 @@ import keras
 from kmp._base import warn as _warn
 from kmp.internals import keras_private
 from kmp.layers.batch_normalization import BatchNormalization
+from kmp.layers.layer_normalization import LayerNormalization
+
+# Keras's classes, and kmp's that replace them.
+_REPLACEMENTS = {
+    keras.layers.BatchNormalization: BatchNormalization,
+    keras.layers.LayerNormalization: LayerNormalization,
+}
 
 
 def lean_normalization(model: keras.Model) -> keras.Model:
     """A model that computes as `model` does, with its Keras
-    `BatchNormalization` layers replaced by `kmp.layers.BatchNormalization`.
+    `BatchNormalization` and `LayerNormalization` layers replaced by
+    `kmp.layers.BatchNormalization` and `kmp.layers.LayerNormalization`.
 
-    Under a 16-bit policy the replacement keeps each normalization's 16-bit
-    input for the backward pass where Keras's layer keeps a float32 copy of
+    Under a 16-bit policy the replacements keep each normalization's 16-bit
+    input for the backward pass where Keras's layers keep a float32 copy of
     it, so training holds less memory; the values computed are the same up
     to a 16-bit rounding of the output. Under float32 nothing changes.
 
@@ -30,7 +38,7 @@ def lean_normalization(model: keras.Model) -> keras.Model:
     included. A model of another class (a subclassed model, or a subclass
     of `Sequential` or of a Functional model, such as KerasHub's models)
     would lose its class in the rebuild and is refused: use
-    `kmp.layers.BatchNormalization` in its code. Normalization layers that
+    kmp's layers in its code. Normalization layers that
     cannot be replaced from outside (inside such a model or another
     subclassed layer nested in `model`, or of a subclass of Keras's layer)
     are left as they are, with a warning that names them.
@@ -40,8 +48,8 @@ def lean_normalization(model: keras.Model) -> keras.Model:
             compiled yet.
 
     Returns:
-        The new model, or `model` itself if it has no Keras
-        `BatchNormalization` layer to replace.
+        The new model, or `model` itself if it has no Keras normalization
+        layer to replace.
 
     Raises:
         TypeError: if `model` is not a Keras model.
@@ -75,8 +83,8 @@ def lean_normalization(model: keras.Model) -> keras.Model:
             f"{type(model).__name__}, which the rebuild would turn into a "
             "plain Sequential or Functional model, losing its code (its "
             "train_step, methods and attributes). Use "
-            "kmp.layers.BatchNormalization in place of "
-            "keras.layers.BatchNormalization in its code."
+            "kmp.layers.BatchNormalization and kmp.layers.LayerNormalization "
+            "in place of Keras's in its code."
         )
     if not model.built:
         raise ValueError(
@@ -97,17 +105,17 @@ def lean_normalization(model: keras.Model) -> keras.Model:
     left = list(dict.fromkeys(left))  # a layer reached twice is named once
     if left:
         _warn.warn(
-            f"kmp.layers.lean_normalization left {len(left)} "
-            "BatchNormalization layers as they were, each keeping a float32 "
-            "copy of its 16-bit input for the backward pass: "
-            f"{'; '.join(left)}. Use kmp.layers.BatchNormalization in the "
-            "code that creates them."
+            f"kmp.layers.lean_normalization left {len(left)} normalization "
+            "layers as they were, each keeping a float32 copy of its 16-bit "
+            f"input for the backward pass: {'; '.join(left)}. Use "
+            "kmp.layers.BatchNormalization and kmp.layers.LayerNormalization "
+            "in the code that creates them."
         )
     return clone
 
 
 def _replaceable(layer) -> bool:
-    return type(layer) is keras.layers.BatchNormalization
+    return type(layer) in _REPLACEMENTS
 
 
 def _rebuilt(model, made: dict, left: list[str]):
@@ -120,7 +128,8 @@ def _rebuilt(model, made: dict, left: list[str]):
     def replace(layer):
         if _replaceable(layer):
             if id(layer) not in made:
-                made[id(layer)] = BatchNormalization.from_config(layer.get_config())
+                kmp_class = _REPLACEMENTS[type(layer)]
+                made[id(layer)] = kmp_class.from_config(layer.get_config())
                 replaced.append((layer, made[id(layer)]))
             return made[id(layer)]
         if keras_private.is_plain_graph_model(layer):
@@ -152,16 +161,18 @@ def _reaches_replaceable(layer) -> bool:
 
 
 def _left_inside(layer) -> list[str]:
-    """The batch normalizations in `layer` (itself included) that cannot be
+    """The normalizations in `layer` (itself included) that cannot be
     replaced from outside, each with the reason."""
-    if _replaceable(layer):
-        return []
+    if _replaceable(layer) or not isinstance(layer, keras.layers.Layer):
+        return []  # replaced, or an operation of the graph (`x + y`)
     if keras_private.is_plain_graph_model(layer):
         return [found for inner in layer.layers for found in _left_inside(inner)]
     found = []
     for norm in keras_private.sublayers(layer, include_self=True):
-        if not isinstance(norm, keras.layers.BatchNormalization):
-            continue
+        if not isinstance(norm, tuple(_REPLACEMENTS)) or isinstance(
+            norm, tuple(_REPLACEMENTS.values())
+        ):
+            continue  # not a normalization, or kmp's already
         if norm is layer:
             found.append(
                 f"{norm.path!r} (of {type(norm).__name__}, a subclass of "
