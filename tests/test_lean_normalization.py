@@ -1,6 +1,9 @@
-"""kmp.layers.BatchNormalization computes what Keras's computes and keeps its
-16-bit input, not a float32 copy, for the backward pass;
-kmp.layers.lean_normalization puts it in place of Keras's in built models."""
+"""kmp.layers.BatchNormalization and LayerNormalization compute what Keras's
+compute and keep their 16-bit input, not a float32 copy, for the backward
+pass; kmp.layers.lean_normalization puts them in place of Keras's in built
+models; kmp.precision_report names the normalizations that keep a copy."""
+
+import warnings
 
 import keras
 import numpy as np
@@ -235,6 +238,8 @@ def test_a_model_without_batch_normalization_is_given_back_as_it_is():
 
 
 def test_a_batch_normalization_inside_a_subclassed_layer_is_named():
+    kmp.set_policy("mixed_bfloat16")  # under float32 there is nothing to save
+
     class Block(keras.layers.Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -302,6 +307,8 @@ def test_models_of_other_classes_and_compiled_models_are_refused():
 
 
 def test_what_cannot_be_replaced_is_left_and_named():
+    kmp.set_policy("mixed_bfloat16")  # under float32 there is nothing to save
+
     class OwnNorm(keras.layers.BatchNormalization):
         pass
 
@@ -346,6 +353,8 @@ def test_the_precision_report_says_where_a_float32_copy_is_kept():
     assert "kmp.layers.lean_normalization(model)" in str(report)
     lean = kmp.prepare(kmp.layers.lean_normalization(model))
     assert kmp.precision_report(lean, trace=False).memory == ""
+    kmp.compile(model, optimizer="sgd", loss="mse", jit_compile=True)
+    assert kmp.precision_report(model, trace=False).memory == ""  # XLA decides
     kmp.set_policy("float32")
     assert kmp.precision_report(_conv_net(keras.layers.BatchNormalization)).memory == ""
 
@@ -366,10 +375,19 @@ def _layer_norm_pair(config=None, shape=(None, 6)):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("shape", [(8, 6), (4, 5, 6)])
-def test_layer_normalization_computes_what_keras_computes(policy, shape):
+@pytest.mark.parametrize(
+    "shape, config",
+    [
+        ((8, 6), {}),
+        ((4, 5, 6), {}),
+        ((2, 3, 4, 6), {"axis": 3}),
+        ((4, 5, 6), {"center": False, "scale": False}),
+    ],
+    ids=["rank-2", "rank-3", "rank-4-axis-3", "no-center-no-scale"],
+)
+def test_layer_normalization_computes_what_keras_computes(policy, shape, config):
     kmp.set_policy(policy)
-    ours, theirs = _layer_norm_pair(shape=shape)
+    ours, theirs = _layer_norm_pair(config, shape=shape)
     x = tf.constant(np.random.default_rng(10).normal(3, 2, shape).astype("float32"))
     x = tf.cast(x, ours.compute_dtype)
     y_ours, g_ours = _run(ours, x, training=True)
@@ -448,3 +466,91 @@ def test_lean_normalization_replaces_layer_normalization_and_trains():
     x, y = rng.integers(0, 50, (32, 16)).astype("int32"), rng.integers(0, 3, 32)
     losses = lean.fit(x, y, epochs=4, batch_size=16, verbose=0).history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_layer_normalization_second_derivatives_are_kerass():
+    # A gradient penalty (WGAN-GP) differentiates the input's gradient, here
+    # through the normalization's statistics into the layer before it.
+    kmp.set_policy("mixed_bfloat16")
+    x = tf.constant(np.random.default_rng(15).normal(3, 2, (8, 6)), "float32")
+    weights = np.linspace(-1, 2, 6).astype("float32")
+
+    def net(norm):
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(6), norm()])
+
+    @tf.function
+    def penalty_gradients(model, x):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                y = tf.reduce_sum(tf.cast(model(x), "float32") ** 2 * weights)
+            penalty = tf.reduce_sum(inner.gradient(y, x) ** 2)
+        return outer.gradient(penalty, model.trainable_weights)
+
+    ours = penalty_gradients(net(kmp.layers.LayerNormalization), x)
+    theirs = penalty_gradients(net(keras.layers.LayerNormalization), x)
+    for a, b in zip(ours, theirs, strict=True):
+        b = b.numpy()
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * np.abs(b).max())
+
+
+def test_layer_normalization_keeps_no_float32_copy_on_an_eager_tape():
+    kmp.set_policy("mixed_bfloat16")
+    x = tf.cast(np.random.default_rng(16).normal(size=(8, 128, 256)), "bfloat16")
+    held = {}
+    for name, layer_class in (
+        ("keras", keras.layers.LayerNormalization),
+        ("kmp", kmp.layers.LayerNormalization),
+    ):
+        layers = [layer_class() for _ in range(4)]
+        y = x
+        for layer in layers:  # built outside the measure
+            y = layer(y)
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for layer in layers:
+                y = layer(y)
+            held[name] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            held[name] -= before
+        del tape, y
+    # Four float32 copies of the input are 16 MiB; Keras's tape holds more.
+    assert held["keras"] > 16 * 2**20
+    assert held["kmp"] < held["keras"] / 4
+
+
+def test_the_report_names_a_layer_normalization_by_the_dtype_it_gets():
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.prepare(
+        keras.Sequential(
+            [
+                keras.Input((16, 8)),
+                keras.layers.LayerNormalization(name="gets_float32"),
+                keras.layers.Dense(4),
+                keras.layers.LayerNormalization(axis=2, name="last_by_number"),
+                keras.layers.LayerNormalization(name="float32_policy", dtype="float32"),
+                keras.layers.Dense(3),
+            ]
+        )
+    )
+    memory = kmp.precision_report(model, trace=False).memory
+    assert "2 normalization layers ('last_by_number', 'float32_policy')" in memory
+
+
+def test_nothing_is_named_where_a_float32_policy_leaves_nothing_to_save():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.norm = keras.layers.LayerNormalization()
+
+        def call(self, x):
+            return self.norm(x)
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Block()(keras.layers.LayerNormalization()(inputs)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lean = kmp.layers.lean_normalization(model)
+    assert lean is not model

@@ -10,8 +10,8 @@ normalization (`FusedBatchNormV3`) takes the 16-bit tensor itself with
 float32 scale, offset and statistics, computes in float32 inside, and its
 gradient reads the 16-bit input and per-channel float32 statistics only.
 Layer normalization has no such kernel: `layer_normalization` is a custom
-gradient that keeps the 16-bit input and a float32 mean and inverse
-deviation per row, and recomputes the normalized values in float32.
+gradient that keeps the 16-bit input and recomputes the rest from it in
+float32.
 """
 
 from __future__ import annotations
@@ -88,8 +88,12 @@ def layer_normalization(
 ) -> tf.Tensor:
     """`x` normalized over its last axis, times `scale` plus `offset`,
     computed in float32 and returned in `x`'s dtype, with a gradient that
-    keeps `x` as it is (16-bit) and a float32 mean and inverse deviation
-    per row, and recomputes the rest in float32.
+    keeps `x` as it is (16-bit) and recomputes the rest from it in float32.
+
+    The forward pass is not recorded by gradient tapes (eagerly, a tape
+    would otherwise keep every float32 intermediate of it); the gradient
+    recomputes the statistics from `x`, so that a tape around it (a second
+    derivative, a gradient penalty) differentiates them too.
 
     Args:
         x: A 16-bit tensor (`fusable(x, -1)`).
@@ -97,16 +101,22 @@ def layer_normalization(
         epsilon: Added to the variance.
     """
 
+    def statistics(wide):
+        mean, variance = tf.nn.moments(wide, axes=[-1], keepdims=True)
+        return mean, tf.math.rsqrt(variance + epsilon)
+
     @tf.custom_gradient
     def normalize(x, scale, offset):
-        wide = tf.cast(x, tf.float32)
-        mean, variance = tf.nn.moments(wide, axes=[-1], keepdims=True)
-        inverse = tf.math.rsqrt(variance + epsilon)
-        y = tf.cast((wide - mean) * inverse * scale + offset, x.dtype)
+        wide = tf.cast(tf.stop_gradient(x), tf.float32)
+        mean, inverse = statistics(wide)
+        scale_, offset_ = tf.stop_gradient(scale), tf.stop_gradient(offset)
+        y = tf.cast((wide - mean) * inverse * scale_ + offset_, x.dtype)
 
         def gradient(dy):
             dy = tf.cast(dy, tf.float32)
-            normalized = (tf.cast(x, tf.float32) - mean) * inverse
+            wide = tf.cast(x, tf.float32)
+            mean, inverse = statistics(wide)
+            normalized = (wide - mean) * inverse
             batch_axes = list(range(x.shape.rank - 1))
             d_scale = tf.reduce_sum(dy * normalized, axis=batch_axes)
             d_offset = tf.reduce_sum(dy, axis=batch_axes)

@@ -411,7 +411,11 @@ def precision_report(
         ),
         policy_lost=policy_lib.lost_policy(the_plan.base.keras_name),
         underflow=measured,
-        memory=_memory_note(the_plan),
+        memory=(
+            ""
+            if getattr(model, "jit_compile", False) is True  # XLA decides
+            else _memory_note(the_plan)
+        ),
     )
 
 

@@ -50,7 +50,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def call(self, inputs, training=None, mask=None):
         if (
             mask is not None
-            or not _fusable_settings(self)
+            or not fusable_settings(self)
             or not normalization.fusable(inputs, self.axis)
         ):
             return super().call(inputs, training=training, mask=mask)
@@ -88,7 +88,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return tf.cast(outputs, self.compute_dtype)
 
 
-def _fusable_settings(layer: keras.layers.BatchNormalization) -> bool:
+def fusable_settings(layer: keras.layers.BatchNormalization) -> bool:
     """Whether the layer's settings allow the fused computation: no
     renormalization, no synchronized statistics, float32 weights (the only
     type the fused kernel takes for them)."""
@@ -112,7 +112,7 @@ def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
         return False
     rank = getattr(layer.input_spec, "ndim", None)
     return (
-        _fusable_settings(layer)
+        fusable_settings(layer)
         and rank is not None
         and rank >= 2
         and layer.axis in (-1, rank - 1)

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from kmp.backend import normalization
+from kmp.backend import tracing
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -18,9 +19,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
     from that copy, which the backward pass reads: each normalization keeps
     a float32 tensor the size of its input until the gradient is computed.
     This layer computes the same in float32 and keeps, for the backward
-    pass, the 16-bit input and a float32 mean and inverse deviation per
-    row; its gradient recomputes the normalized values from them, in
-    float32.
+    pass, the 16-bit input alone; its gradient recomputes the statistics
+    and normalized values from it, in float32 (a pass more over the input,
+    and second derivatives stay exact).
 
     Everything else is Keras's layer: the same arguments, weights and
     `get_config`, so a model saved with it loads with `import kmp`. Where
@@ -42,7 +43,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
     """
 
     def call(self, inputs):
-        if not (_fusable_settings(self) and _over_last_axis(self, inputs)):
+        if not (fusable_settings(self) and _over_last_axis(self, inputs)):
             return super().call(inputs)
         features = inputs.shape[-1]
         scale = (
@@ -59,7 +60,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
         return tf.cast(outputs, self.compute_dtype)
 
 
-def _axes(layer: keras.layers.LayerNormalization) -> list[int]:
+def axes(layer: keras.layers.LayerNormalization) -> list[int]:
     return list(layer.axis) if isinstance(layer.axis, (list, tuple)) else [layer.axis]
 
 
@@ -67,12 +68,12 @@ def _over_last_axis(layer, inputs) -> bool:
     rank = inputs.shape.rank
     return (
         normalization.fusable(inputs, -1)
-        and len(_axes(layer)) == 1
-        and _axes(layer)[0] in (-1, rank - 1)
+        and len(axes(layer)) == 1
+        and axes(layer)[0] in (-1, rank - 1)
     )
 
 
-def _fusable_settings(layer: keras.layers.LayerNormalization) -> bool:
+def fusable_settings(layer: keras.layers.LayerNormalization) -> bool:
     """Whether the layer's settings allow kmp's computation: no RMS scaling,
     float32 weights."""
     return not layer.rms_scaling and all(
@@ -81,16 +82,24 @@ def _fusable_settings(layer: keras.layers.LayerNormalization) -> bool:
 
 
 def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
-    """Whether `layer` is a built Keras `LayerNormalization` (not kmp's)
-    that keeps a float32 copy of its 16-bit input for the backward pass,
-    where `kmp.layers.LayerNormalization` with the same settings would keep
-    the 16-bit input."""
+    """Whether `layer` is a Keras `LayerNormalization` (not kmp's) that, in
+    the functional graph it was called in, gets a 16-bit input and keeps a
+    float32 copy of it for the backward pass, where
+    `kmp.layers.LayerNormalization` with the same settings would keep the
+    16-bit input. Keras's layer takes its input in the dtype it comes in,
+    whatever its policy; where that input is not recorded (a layer called
+    by a subclassed model's code, or on several inputs), False."""
     if not isinstance(layer, keras.layers.LayerNormalization) or isinstance(
         layer, LayerNormalization
     ):
         return False
-    if layer.compute_dtype not in ("float16", "bfloat16") or not layer.built:
+    spec = tracing.recorded_input(layer)
+    if spec is None or not layer.built or not fusable_settings(layer):
         return False
-    # Keras keeps the axis as given (-1 by default), not the input's rank:
-    # a last axis given by its number is not counted.
-    return _fusable_settings(layer) and _axes(layer) == [-1]
+    rank = len(spec.shape)
+    return (
+        keras.backend.standardize_dtype(spec.dtype) in ("float16", "bfloat16")
+        and len(axes(layer)) == 1
+        and axes(layer)[0] in (-1, rank - 1)
+        and spec.shape[-1] is not None
+    )

@@ -7,6 +7,8 @@ import keras
 
 from kmp._base import warn as _warn
 from kmp.internals import keras_private
+from kmp.layers import batch_normalization
+from kmp.layers import layer_normalization
 from kmp.layers.batch_normalization import BatchNormalization
 from kmp.layers.layer_normalization import LayerNormalization
 
@@ -169,10 +171,8 @@ def _left_inside(layer) -> list[str]:
         return [found for inner in layer.layers for found in _left_inside(inner)]
     found = []
     for norm in keras_private.sublayers(layer, include_self=True):
-        if not isinstance(norm, tuple(_REPLACEMENTS)) or isinstance(
-            norm, tuple(_REPLACEMENTS.values())
-        ):
-            continue  # not a normalization, or kmp's already
+        if not _worth_naming(norm):
+            continue
         if norm is layer:
             found.append(
                 f"{norm.path!r} (of {type(norm).__name__}, a subclass of "
@@ -184,3 +184,22 @@ def _left_inside(layer) -> list[str]:
                 f"{type(layer).__name__} whose own code creates it)"
             )
     return found
+
+
+def _worth_naming(norm) -> bool:
+    """Whether `norm`, left as it is, is a Keras normalization (or of a
+    subclass) that may keep a float32 copy of a 16-bit input where kmp's
+    layer would not: computing in a 16-bit policy, with settings kmp's
+    layer computes (its input is not known here: a 16-bit policy is the
+    sign)."""
+    if not isinstance(norm, tuple(_REPLACEMENTS)) or isinstance(
+        norm, tuple(_REPLACEMENTS.values())
+    ):
+        return False  # not a normalization, or kmp's already
+    if norm.compute_dtype not in ("float16", "bfloat16"):
+        return False
+    if isinstance(norm, keras.layers.BatchNormalization):
+        return batch_normalization.fusable_settings(norm)
+    return layer_normalization.fusable_settings(norm) and (
+        len(layer_normalization.axes(norm)) == 1
+    )
