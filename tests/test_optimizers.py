@@ -153,3 +153,57 @@ def test_moments_of_weights_that_are_not_float32_keep_their_dtype():
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):
         kmp.optimizers.AdamW(**kwargs)
+
+
+# Run in a process of its own: a parameter-server strategy connects the
+# process's eager context to its cluster for good.
+_PLACEMENT = """
+import json, socket
+import keras, tensorflow as tf
+import kmp
+
+def address():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return f"localhost:{s.getsockname()[1]}"
+
+spec = tf.train.ClusterSpec({"worker": [address()], "ps": [address(), address()]})
+servers = [
+    tf.distribute.Server(spec, job_name=job, task_index=i, start=True)
+    for job, count in (("worker", 1), ("ps", 2)) for i in range(count)
+]
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+strategy = tf.distribute.ParameterServerStrategy(resolver)
+with strategy.scope():
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)]
+    )
+    optimizer = kmp.optimizers.AdamW()
+    optimizer.build(model.trainable_variables)
+print(json.dumps({
+    "weights": [v.value.device for v in model.trainable_variables],
+    "momentums": [m.value.device for m in optimizer._momentums],
+    "velocities": [m.value.device for m in optimizer._velocities],
+}))
+"""
+
+
+def test_moments_are_placed_with_their_weights_under_a_parameter_server_strategy():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _PLACEMENT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    placed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(set(placed["weights"])) == 2  # spread over both servers
+    assert placed["momentums"] == placed["weights"]
+    assert placed["velocities"] == placed["weights"]

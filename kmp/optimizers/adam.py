@@ -78,11 +78,16 @@ class _HalfState:
             keras.backend.standardize_dtype(variable.dtype) != "float32"
         ):
             dtype = variable.dtype  # only float32 weights get 16-bit moments
-        return self.add_variable(
-            shape=variable.shape,
-            dtype=dtype,
-            name=f"{path.replace('/', '_').replace(':', '_')}_{name}",
-        )
+        # Placed with its weight, as Keras places its own optimizers' slots
+        # (`add_variable_from_reference`, which cannot take another dtype):
+        # under a parameter-server strategy, on the weight's server.
+        reference = variable.value if isinstance(variable, keras.Variable) else variable
+        with tf.distribute.get_strategy().extended.colocate_vars_with(reference):
+            return self.add_variable(
+                shape=variable.shape,
+                dtype=dtype,
+                name=f"{path.replace('/', '_').replace(':', '_')}_{name}",
+            )
 
     def _store(self, slot, value, index: int, which: int) -> None:
         """Writes `value` (the weight's dtype) into the moment `slot`."""
