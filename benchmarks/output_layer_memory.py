@@ -1,0 +1,73 @@
+"""The float32 output layer's cost on a large vocabulary: memory.py's
+transformer (vocabulary 8000, sequence 256, batch 16) under kmp and
+mixed_bfloat16, its output computed three ways, the tensors' rise over a
+warmed-up `fit` of 4 steps (TensorFlow's allocator peak over what was live
+before), one way per process:
+
+  f32softmax  the benchmark's model: a float32 softmax output, the loss on
+              probabilities (Keras's mixed-precision guide)
+  f32logits   float32 logits (kmp's output rule), the loss from logits
+  bf16logits  the head set to mixed_bfloat16 (kmp.set_layer_policy), the
+              loss from logits
+
+Run: python benchmarks/output_layer_memory.py f32softmax|f32logits|bf16logits
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras
+import numpy as np
+import tensorflow as tf
+from memory import BLOCKS
+from memory import HEADS
+from memory import SEQUENCE
+from memory import VOCAB
+from memory import WIDTH
+
+import kmp
+
+variant = sys.argv[1]
+kmp.set_policy("mixed_bfloat16")
+keras.utils.set_random_seed(0)
+layers = keras.layers
+tokens = keras.Input((SEQUENCE,), dtype="int32")
+h = layers.Embedding(VOCAB, WIDTH)(tokens)
+for _ in range(BLOCKS):
+    a = layers.LayerNormalization()(h)
+    a = layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
+    h = h + a
+    f = layers.LayerNormalization()(h)
+    f = layers.Dense(4 * WIDTH, activation="gelu")(f)
+    h = h + layers.Dense(WIDTH)(f)
+h = layers.LayerNormalization()(h)
+if variant == "f32softmax":  # the benchmark's model: softmax in float32
+    logits = layers.Dense(VOCAB)(h)
+    out = layers.Activation("softmax", dtype="float32")(logits)
+    loss = "sparse_categorical_crossentropy"
+else:  # 16-bit logits, the loss from logits
+    out = layers.Dense(VOCAB, name="head")(h)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+model = keras.Model(tokens, out)
+if variant == "bf16logits":
+    kmp.set_layer_policy("name:head", "mixed_bfloat16")
+kmp.compile(model, optimizer=keras.optimizers.Adam(1e-4), loss=loss)
+if variant == "bf16logits":
+    pass
+rng = np.random.default_rng(0)
+x = rng.integers(0, VOCAB, (16 * 4, SEQUENCE)).astype("int32")
+y = np.roll(x, -1, axis=1)
+model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+tf.config.experimental.reset_memory_stats("CPU:0")
+base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+t = time.perf_counter()
+model.fit(x, y, batch_size=16, verbose=0)
+peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+step_ms = (time.perf_counter() - t) / 4 * 1000
+print(
+    f"{variant}: output {model.layers[-1].compute_dtype}, tensors' rise "
+    f"{(peak - base) / 2**20:.0f} MiB, {step_ms:.0f} ms/step"
+)
