@@ -64,6 +64,24 @@ IMAGE, CLASSES = 128, 1000
 SEQUENCE, VOCAB, WIDTH, HEADS, BLOCKS = 256, 8000, 256, 8, 4
 
 
+def transformer_trunk():
+    """The transformer's token input and its last normalized hidden state,
+    before the output layer."""
+    import keras
+
+    layers = keras.layers
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    h = layers.Embedding(VOCAB, WIDTH)(tokens)
+    for _ in range(BLOCKS):
+        a = layers.LayerNormalization()(h)
+        a = layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
+        h = h + a
+        f = layers.LayerNormalization()(h)
+        f = layers.Dense(4 * WIDTH, activation="gelu")(f)
+        h = h + layers.Dense(WIDTH)(f)
+    return tokens, layers.LayerNormalization()(h)
+
+
 def build(name: str):
     import keras
     import numpy as np
@@ -78,16 +96,7 @@ def build(name: str):
         y = rng.integers(0, CLASSES, batch)
         return model, x, y
     layers = keras.layers
-    tokens = keras.Input((SEQUENCE,), dtype="int32")
-    h = layers.Embedding(VOCAB, WIDTH)(tokens)
-    for _ in range(BLOCKS):
-        a = layers.LayerNormalization()(h)
-        a = layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
-        h = h + a
-        f = layers.LayerNormalization()(h)
-        f = layers.Dense(4 * WIDTH, activation="gelu")(f)
-        h = h + layers.Dense(WIDTH)(f)
-    h = layers.LayerNormalization()(h)
+    tokens, h = transformer_trunk()
     logits = layers.Dense(VOCAB)(h)
     outputs = layers.Activation("softmax", dtype="float32")(logits)
     model = keras.Model(tokens, outputs)

@@ -22,11 +22,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 import tensorflow as tf
-from memory import BLOCKS
-from memory import HEADS
 from memory import SEQUENCE
 from memory import VOCAB
-from memory import WIDTH
+from memory import transformer_trunk
 
 import kmp
 
@@ -34,16 +32,7 @@ variant = sys.argv[1]
 kmp.set_policy("mixed_bfloat16")
 keras.utils.set_random_seed(0)
 layers = keras.layers
-tokens = keras.Input((SEQUENCE,), dtype="int32")
-h = layers.Embedding(VOCAB, WIDTH)(tokens)
-for _ in range(BLOCKS):
-    a = layers.LayerNormalization()(h)
-    a = layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
-    h = h + a
-    f = layers.LayerNormalization()(h)
-    f = layers.Dense(4 * WIDTH, activation="gelu")(f)
-    h = h + layers.Dense(WIDTH)(f)
-h = layers.LayerNormalization()(h)
+tokens, h = transformer_trunk()
 if variant == "f32softmax":  # the benchmark's model: softmax in float32
     logits = layers.Dense(VOCAB)(h)
     out = layers.Activation("softmax", dtype="float32")(logits)
