@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from processes import in_fresh_process
 
 import kmp
 from kmp.backend import fused
@@ -25,26 +26,6 @@ def wide_mlp():
     inputs = keras.Input((2048,))
     hidden = keras.layers.Dense(2048, activation="relu")(inputs)
     return keras.Model(inputs, keras.layers.Dense(10)(hidden))
-
-
-def in_fresh_process(script: str, *args: str) -> dict:
-    """Runs `script` in a Python process of its own with `args` and returns
-    the JSON object its last line prints (fails the test if it fails)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _requested_peak(trace_dir: str) -> int:

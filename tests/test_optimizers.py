@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from processes import in_fresh_process
 
 import kmp
 
@@ -189,21 +190,7 @@ print(json.dumps({
 
 
 def test_moments_are_placed_with_their_weights_under_a_parameter_server_strategy():
-    import json
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", _PLACEMENT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    placed = json.loads(result.stdout.strip().splitlines()[-1])
+    placed = in_fresh_process(_PLACEMENT)
     assert len(set(placed["weights"])) == 2  # spread over both servers
     assert placed["momentums"] == placed["weights"]
     assert placed["velocities"] == placed["weights"]
