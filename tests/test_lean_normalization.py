@@ -14,17 +14,24 @@ import kmp
 from kmp.internals import keras_private
 
 
-def _pair(config=None, shape=(None, 6), seed=0):
-    """A Keras BatchNormalization and kmp's, with the same config and
-    weights (gamma, beta and moving statistics away from their defaults)."""
-    config = {"momentum": 0.9, **(config or {})}
-    ours = kmp.layers.BatchNormalization(**config)
-    theirs = keras.layers.BatchNormalization(**config)
+def _pair(config=None, shape=(None, 6), seed=0, kmp_class=None):
+    """kmp's normalization (`kmp.layers.BatchNormalization` by default) and
+    the Keras layer it subclasses, with the same config and weights (away
+    from their defaults; variances and deviations positive)."""
+    kmp_class = kmp_class or kmp.layers.BatchNormalization
+    config = dict(config or {})
+    if issubclass(kmp_class, keras.layers.BatchNormalization):
+        config = {"momentum": 0.9, **config}
+    ours = kmp_class(**config)
+    theirs = kmp_class.__mro__[1](**config)
     rng = np.random.default_rng(seed)
     for layer in (ours, theirs):
         layer.build(shape)
     weights = [rng.normal(1, 0.5, w.shape).astype("float32") for w in theirs.weights]
-    weights[-1] = np.abs(weights[-1])  # a variance
+    weights = [
+        np.abs(value) if "variance" in w.name or "stddev" in w.name else value
+        for value, w in zip(weights, theirs.weights, strict=True)
+    ]
     for layer in (ours, theirs):
         layer.set_weights(weights)
     return ours, theirs
@@ -39,15 +46,10 @@ def _run(layer, x, training):
     return y, grads
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("shape", [(8, 5, 5, 6), (16, 6), (4, 7, 6), (1, 6)])
-@pytest.mark.parametrize("training", [True, False])
-def test_it_computes_what_keras_computes_from_a_16bit_input(policy, shape, training):
-    kmp.set_policy(policy)
-    ours, theirs = _pair(shape=shape)
-    rng = np.random.default_rng(1)
-    x = tf.constant(rng.normal(3, 2, shape).astype("float32"))
-    x = tf.cast(x, ours.compute_dtype)  # what the layer before hands on
+def _assert_computes_as_keras(ours, theirs, x, training, policy):
+    """Outputs and gradients (input, weights) of kmp's layer and Keras's on
+    `x`: the same dtypes, values one 16-bit rounding apart at most (a few
+    for gradients)."""
     y_ours, g_ours = _run(ours, x, training)
     y_theirs, g_theirs = _run(theirs, x, training)
     assert y_ours.dtype == y_theirs.dtype == x.dtype
@@ -61,6 +63,18 @@ def test_it_computes_what_keras_computes_from_a_16bit_input(policy, shape, train
         a, b = tf.cast(a, "float32").numpy(), tf.cast(b, "float32").numpy()
         scale = max(np.abs(b).max(), 1.0)
         np.testing.assert_allclose(a, b, rtol=4 * step, atol=4 * step * scale)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("shape", [(8, 5, 5, 6), (16, 6), (4, 7, 6), (1, 6)])
+@pytest.mark.parametrize("training", [True, False])
+def test_it_computes_what_keras_computes_from_a_16bit_input(policy, shape, training):
+    kmp.set_policy(policy)
+    ours, theirs = _pair(shape=shape)
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(3, 2, shape).astype("float32"))
+    x = tf.cast(x, ours.compute_dtype)  # what the layer before hands on
+    _assert_computes_as_keras(ours, theirs, x, training, policy)
     # The moving statistics move as Keras moves them (or stay, in inference).
     for a, b in zip(
         ours.non_trainable_weights, theirs.non_trainable_weights, strict=True
@@ -362,18 +376,6 @@ def test_the_precision_report_says_where_a_float32_copy_is_kept():
 # --- LayerNormalization ------------------------------------------------------
 
 
-def _layer_norm_pair(config=None, shape=(None, 6)):
-    ours = kmp.layers.LayerNormalization(**(config or {}))
-    theirs = keras.layers.LayerNormalization(**(config or {}))
-    rng = np.random.default_rng(9)
-    for layer in (ours, theirs):
-        layer.build(shape)
-    weights = [rng.normal(1, 0.5, w.shape).astype("float32") for w in theirs.weights]
-    for layer in (ours, theirs):
-        layer.set_weights(weights)
-    return ours, theirs
-
-
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize(
     "shape, config",
@@ -387,21 +389,12 @@ def _layer_norm_pair(config=None, shape=(None, 6)):
 )
 def test_layer_normalization_computes_what_keras_computes(policy, shape, config):
     kmp.set_policy(policy)
-    ours, theirs = _layer_norm_pair(config, shape=shape)
+    ours, theirs = _pair(
+        config, shape=shape, seed=9, kmp_class=kmp.layers.LayerNormalization
+    )
     x = tf.constant(np.random.default_rng(10).normal(3, 2, shape).astype("float32"))
     x = tf.cast(x, ours.compute_dtype)
-    y_ours, g_ours = _run(ours, x, training=True)
-    y_theirs, g_theirs = _run(theirs, x, training=True)
-    step = 2**-7 if policy == "mixed_bfloat16" else 2**-10
-    assert y_ours.dtype == y_theirs.dtype == x.dtype
-    np.testing.assert_allclose(
-        tf.cast(y_ours, "float32"), tf.cast(y_theirs, "float32"), rtol=step, atol=step
-    )
-    for a, b in zip(g_ours, g_theirs, strict=True):
-        assert a.dtype == b.dtype
-        a, b = tf.cast(a, "float32").numpy(), tf.cast(b, "float32").numpy()
-        scale = max(np.abs(b).max(), 1.0)
-        np.testing.assert_allclose(a, b, rtol=4 * step, atol=4 * step * scale)
+    _assert_computes_as_keras(ours, theirs, x, True, policy)
 
 
 @pytest.mark.parametrize(
@@ -417,7 +410,9 @@ def test_layer_normalization_computes_what_keras_computes(policy, shape, config)
 def test_where_kmps_layer_normalization_does_not_apply_it_is_kerass(config, shape):
     if config:
         kmp.set_policy("mixed_bfloat16")
-    ours, theirs = _layer_norm_pair(config, shape=shape)
+    ours, theirs = _pair(
+        config, shape=shape, seed=9, kmp_class=kmp.layers.LayerNormalization
+    )
     x = tf.constant(np.random.default_rng(11).normal(3, 2, shape).astype("float32"))
     x = tf.cast(x, ours.compute_dtype)
     np.testing.assert_array_equal(ours(x), theirs(x))

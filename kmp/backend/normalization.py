@@ -21,6 +21,23 @@ import tensorflow as tf
 SIXTEEN_BIT = (tf.float16, tf.bfloat16)
 
 
+def scale_and_offset(layer, size: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """A Keras normalization layer's `gamma` and `beta` as float32 tensors,
+    or ones and zeros of `size` where it has none (`scale=False`,
+    `center=False`)."""
+    scale = (
+        tf.convert_to_tensor(layer.gamma)
+        if layer.scale
+        else tf.ones([size], tf.float32)
+    )
+    offset = (
+        tf.convert_to_tensor(layer.beta)
+        if layer.center
+        else tf.zeros([size], tf.float32)
+    )
+    return scale, offset
+
+
 def fusable(x: tf.Tensor, axis: int) -> bool:
     """Whether `batch_normalization` computes this input: a 16-bit tensor
     of rank 2 or more whose channels are its last axis, their number

@@ -55,16 +55,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         ):
             return super().call(inputs, training=training, mask=mask)
         channels = inputs.shape[-1]
-        scale = (
-            tf.convert_to_tensor(self.gamma)
-            if self.scale
-            else tf.ones([channels], tf.float32)
-        )
-        offset = (
-            tf.convert_to_tensor(self.beta)
-            if self.center
-            else tf.zeros([channels], tf.float32)
-        )
+        scale, offset = normalization.scale_and_offset(self, channels)
         if training and self.trainable:
             outputs, mean, variance = normalization.batch_normalization(
                 inputs, scale, offset, None, None, self.epsilon

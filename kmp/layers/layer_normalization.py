@@ -46,16 +46,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
         if not (fusable_settings(self) and _over_last_axis(self, inputs)):
             return super().call(inputs)
         features = inputs.shape[-1]
-        scale = (
-            tf.convert_to_tensor(self.gamma)
-            if self.scale
-            else tf.ones([features], tf.float32)
-        )
-        offset = (
-            tf.convert_to_tensor(self.beta)
-            if self.center
-            else tf.zeros([features], tf.float32)
-        )
+        scale, offset = normalization.scale_and_offset(self, features)
         outputs = normalization.layer_normalization(inputs, scale, offset, self.epsilon)
         return tf.cast(outputs, self.compute_dtype)
 
