@@ -104,12 +104,12 @@ def build(name: str):
     return model, x, np.roll(x, -1, axis=1)
 
 
-def run_row(name: str, policy: str, way: str, steps: int) -> dict:
+def compiled(name: str, policy: str, way: str):
+    """The model `name` compiled for training under `policy` one `way`, with
+    its batch of data: (model, x, y)."""
     import keras
-    import numpy as np
 
     import kmp
-    from kmp.tools import runs
 
     if way == "keras":
         keras.mixed_precision.set_global_policy(policy)
@@ -127,8 +127,16 @@ def run_row(name: str, policy: str, way: str, steps: int) -> dict:
         kmp.compile(
             model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
         )
+    return model, x, y
+
+
+def run_row(name: str, policy: str, way: str, steps: int) -> dict:
+    import numpy as np
     import tensorflow as tf
 
+    from kmp.tools import runs
+
+    model, x, y = compiled(name, policy, way)
     base = status_mib("VmRSS")
     tf.config.experimental.reset_memory_stats("CPU:0")
     tensors_base = tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20

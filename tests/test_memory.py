@@ -1,10 +1,11 @@
 """Memory: kmp's training step holds no more than plain Keras's.
 
 Read from TensorFlow's profiler (the bytes the live tensors requested, and
-their peak), on a model whose weights and optimizer state outweigh its
-activations, so that a copy of the weights or of Adam's slots, made by the
-skip of a non-finite step or by the fused update, would show at once (one
-copy of the weights is 16 MiB here, the margin 1 MiB).
+their peak: `benchmarks/_allocations.py`), on a model whose weights and
+optimizer state outweigh its activations, so that a copy of the weights or
+of Adam's slots, made by the skip of a non-finite step or by the fused
+update, would show at once (one copy of the weights is 16 MiB here, the
+margin 1 MiB).
 """
 
 import functools
@@ -16,6 +17,7 @@ import tensorflow as tf
 from processes import in_fresh_process
 
 import kmp
+from benchmarks._allocations import live_at_peak
 from kmp.backend import fused
 
 MIB = 2**20
@@ -26,54 +28,6 @@ def wide_mlp():
     inputs = keras.Input((2048,))
     hidden = keras.layers.Dense(2048, activation="relu")(inputs)
     return keras.Model(inputs, keras.layers.Dense(10)(hidden))
-
-
-def _requested_peak(trace_dir: str) -> int:
-    """The peak, over a profiled window, of the bytes that the tensors
-    allocated in it and still live had requested, read from TensorFlow's
-    profiler trace (its allocators' `MemoryAllocation` events; with oneDNN,
-    requests under 256 KiB go to a pool that records none: every tensor
-    that matters here is far larger).
-
-    The allocator's own count (`get_memory_info`) is not this: it counts the
-    block that served a request, and its blocks follow the history of frees
-    (a 16 MiB gradient once served from a 24 MiB block made kmp's step read
-    40 MiB against Keras's 32 with the same tensors live)."""
-    import glob
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        names = {k: v.name for k, v in plane.event_metadata.items()}
-        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-        for line in plane.lines:
-            for event in line.events:
-                kind = names.get(event.metadata_id)
-                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-                    continue
-                stats = {
-                    stat_names.get(s.metadata_id): s.uint64_value or s.int64_value
-                    for s in event.stats
-                }
-                time = line.timestamp_ns * 1000 + event.offset_ps
-                # At one time, a block is freed before its address is reused.
-                order = 0 if kind == "MemoryDeallocation" else 1
-                events.append((time, order, stats["addr"], stats["requested_bytes"]))
-    assert events, "the profiler recorded no allocation"
-    live, now, peak = {}, 0, 0
-    for _, order, address, requested in sorted(events):
-        # A block allocated before the window is not counted.
-        now -= live.pop(address, 0)
-        if order == 1:
-            live[address] = requested
-            now += requested
-            peak = max(peak, now)
-    return peak
 
 
 def tensors_rise(way: str, policy: str, trace_dir: str) -> int:
@@ -106,7 +60,7 @@ def tensors_rise(way: str, policy: str, trace_dir: str) -> int:
         model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     finally:
         tf.profiler.experimental.stop()
-    return _requested_peak(trace_dir)
+    return live_at_peak(trace_dir)[0]
 
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -118,7 +72,7 @@ _RISES = """
 import json, sys, tempfile
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:3]  # the tests, and the source tree's root
 from test_memory import POLICIES, tensors_rise
 print(json.dumps({
     policy: {way: tensors_rise(way, policy, tempfile.mkdtemp())
@@ -132,7 +86,8 @@ print(json.dumps({
 def _rises() -> dict:
     import pathlib
 
-    return in_fresh_process(_RISES, str(pathlib.Path(__file__).parent))
+    tests = pathlib.Path(__file__).parent
+    return in_fresh_process(_RISES, str(tests), str(tests.parent))
 
 
 @pytest.mark.xdist_group("tensors")  # one worker measures every policy once
