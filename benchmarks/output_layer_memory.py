@@ -6,11 +6,14 @@ before), one way per process:
 
   f32softmax  the benchmark's model: a float32 softmax output, the loss on
               probabilities (Keras's mixed-precision guide)
+  f32dense    the softmax folded into the last Dense (activation='softmax'),
+              which kmp computes in float32 as the output layer, the loss on
+              probabilities
   f32logits   float32 logits (kmp's output rule), the loss from logits
   bf16logits  the head set to mixed_bfloat16 (kmp.set_layer_policy), the
               loss from logits
 
-Run: python benchmarks/output_layer_memory.py f32softmax|f32logits|bf16logits
+Run: python benchmarks/output_layer_memory.py f32softmax|f32dense|f32logits|bf16logits
 """
 
 import os
@@ -36,6 +39,9 @@ tokens, h = transformer_trunk()
 if variant == "f32softmax":  # the benchmark's model: softmax in float32
     logits = layers.Dense(VOCAB)(h)
     out = layers.Activation("softmax", dtype="float32")(logits)
+    loss = "sparse_categorical_crossentropy"
+elif variant == "f32dense":  # the softmax in the output layer itself
+    out = layers.Dense(VOCAB, activation="softmax")(h)
     loss = "sparse_categorical_crossentropy"
 else:  # 16-bit logits, the loss from logits
     out = layers.Dense(VOCAB, name="head")(h)

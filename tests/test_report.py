@@ -138,3 +138,55 @@ def test_the_report_is_silent_on_the_remapper_where_it_does_not_apply(monkeypatc
     kmp.set_policy("mixed_float16")
     report = kmp.precision_report(kmp.compile(mlp(), optimizer="sgd", loss="mse"))
     assert report.remapper == "" and "remapping" not in str(report)
+
+
+def _head(output):
+    """Token embeddings (8 positions) to 50 classes; `output` ends it."""
+    inputs = keras.Input((8,), dtype="int32")
+    hidden = keras.layers.Embedding(100, 16)(inputs)
+    return keras.Model(inputs, output(hidden))
+
+
+def _guide_softmax(hidden):
+    # Keras's mixed-precision guide: the softmax a float32 layer of its own.
+    logits = keras.layers.Dense(50)(hidden)
+    return keras.layers.Activation("softmax", dtype="float32", name="probs")(logits)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_the_report_says_what_a_float32_softmax_layer_on_16_bit_logits_keeps(policy):
+    kmp.set_policy(policy)
+    report = kmp.precision_report(kmp.prepare(_head(_guide_softmax)))
+    # 8 positions x 50 classes of 2 bytes per sample.
+    assert "the output 'probs' computes a float32 softmax" in report.memory
+    assert f"({8 * 50 * 2 / 2**20:.3g} MiB of 16-bit logits per sample)" in (
+        report.memory
+    )
+    assert "activation='softmax'" in report.memory and "from_logits" in report.memory
+    assert report.memory in str(report).replace("\n", " ")
+    # Keras's own Softmax layer at the output, which kmp computes in float32.
+    model = _head(lambda h: keras.layers.Softmax(name="p")(keras.layers.Dense(50)(h)))
+    assert "the output 'p' computes a float32 softmax" in (
+        kmp.precision_report(kmp.prepare(model)).memory
+    )
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        # Folded into the last layer: kmp computes the whole layer in float32.
+        lambda h: keras.layers.Dense(50, activation="softmax")(h),
+        # Logits out (the loss from logits).
+        lambda h: keras.layers.Dense(50)(h),
+        # A softmax inside the model, not its output.
+        lambda h: keras.layers.Dense(50)(keras.layers.Activation("softmax")(h)),
+    ],
+)
+def test_the_report_says_nothing_of_an_output_that_keeps_no_16_bit_logits(output):
+    kmp.set_policy("mixed_bfloat16")
+    assert "logits" not in kmp.precision_report(kmp.prepare(_head(output))).memory
+
+
+def test_the_output_note_needs_a_16_bit_input():
+    kmp.set_policy("float32")
+    assert kmp.precision_report(kmp.prepare(_head(_guide_softmax))).memory == ""

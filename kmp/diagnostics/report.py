@@ -20,6 +20,7 @@ from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
 from kmp.planning import applied as applied_lib
 from kmp.planning import decisions as planning
+from kmp.precision import kinds
 from kmp.precision import policy as policy_lib
 from kmp.precision import quantization
 from kmp.precision import traversal
@@ -98,7 +99,10 @@ class PrecisionReport:
         memory: Where the model's Keras normalization layers keep a
             float32 copy of their 16-bit input for the backward pass, that
             sentence with what keeps the 16-bit input instead
-            (`kmp.layers`); `''` elsewhere.
+            (`kmp.layers`); where its output is a float32 softmax layer of
+            its own on 16-bit logits, which the step then keeps beside
+            their float32 copy, that sentence with what keeps only the
+            float32 ones; `''` elsewhere.
     """
 
     model_name: str
@@ -414,9 +418,68 @@ def precision_report(
         memory=(
             ""
             if getattr(model, "jit_compile", False) is True  # XLA decides
-            else _memory_note(the_plan)
+            else " ".join(
+                note
+                for note in (_memory_note(the_plan), _output_copy_note(model))
+                if note
+            )
         ),
     )
+
+
+_SIXTEEN_BIT = ("float16", "bfloat16")
+
+
+def _output_copy_note(model) -> str:
+    """Where the model's output is a softmax layer of its own that computes
+    in float32 on a 16-bit input (Keras's mixed-precision guide writes
+    `Activation('softmax', dtype='float32')` after the last Dense): the
+    step keeps the 16-bit logits and their float32 copy, and what keeps
+    only the float32 ones; `''` elsewhere. Read from the model's graph
+    (a Sequential or Functional model's own outputs)."""
+    if not isinstance(model, keras.Model):
+        return ""
+    try:
+        outputs = {id(t) for t in keras.tree.flatten(model.outputs)}
+    except (AttributeError, ValueError):  # a subclassed model has none
+        return ""
+    for layer in model.layers:
+        spec = tracing.recorded_input(layer)
+        standalone = isinstance(layer, keras.layers.Softmax) or (
+            isinstance(layer, keras.layers.Activation)
+            and kinds.activation_name(layer) is not None
+        )
+        try:
+            produces_output = id(layer.output) in outputs
+        except (AttributeError, ValueError):
+            produces_output = False
+        if not (
+            standalone
+            and produces_output
+            and spec is not None
+            and layer.compute_dtype == "float32"
+            and keras.backend.standardize_dtype(spec.dtype) in _SIXTEEN_BIT
+        ):
+            continue
+        values = 1
+        for size in spec.shape[1:]:
+            if size is None:
+                return ""  # no size to state
+            values *= size
+        mib = values * 2 / 2**20
+        name = kinds.activation_name(layer) or "softmax"
+        return (
+            f"Memory: the output {layer.name!r} computes a float32 {name} of "
+            "a 16-bit input, so the step keeps the 16-bit logits beside their "
+            f"float32 copy ({mib:.3g} MiB of 16-bit logits per sample). "
+            "Folding it into the layer before it (Dense(..., "
+            f"activation={name!r}), which kmp then computes in float32 as "
+            "the model's output), or "
+            "outputting that layer's logits and compiling the loss with "
+            "from_logits=True, keeps only the float32 ones: less memory, for "
+            "a float32 matmul in that layer."
+        )
+    return ""
 
 
 def _memory_note(decisions) -> str:
