@@ -113,7 +113,7 @@ def test_kmp_holds_no_more_tensors_than_keras_at_the_same_policy(policy):
 ESTIMATED = (("cnn", "float32"), ("mlp", "float32"), ("transformer", "mixed_bfloat16"))
 
 _ESTIMATES_AND_FITS = """
-import json, sys
+import gc, json, sys
 import keras, tensorflow as tf
 import kmp
 from kmp.tools import bench
@@ -130,6 +130,10 @@ def estimate_and_fit(name, policy):
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     model.fit(data, verbose=0, shuffle=False)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    # Nothing of this model is left for the next one's measure to free.
+    del model, data
+    keras.backend.clear_session()
+    gc.collect()
     return {
         "optimizer": estimate.optimizer,
         "optimizer_mb": estimate.optimizer_mb,

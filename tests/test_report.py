@@ -140,16 +140,17 @@ def test_the_report_is_silent_on_the_remapper_where_it_does_not_apply(monkeypatc
     assert report.remapper == "" and "remapping" not in str(report)
 
 
-def _head(output):
-    """Token embeddings (8 positions) to 50 classes; `output` ends it."""
-    inputs = keras.Input((8,), dtype="int32")
+def _head(output, length=8):
+    """Token embeddings (16 wide, `length` positions) to 50 classes; `output`
+    ends it."""
+    inputs = keras.Input((length,), dtype="int32")
     hidden = keras.layers.Embedding(100, 16)(inputs)
     return keras.Model(inputs, output(hidden))
 
 
-def _guide_softmax(hidden):
+def _guide_softmax(hidden, classes=50):
     # Keras's mixed-precision guide: the softmax a float32 layer of its own.
-    logits = keras.layers.Dense(50)(hidden)
+    logits = keras.layers.Dense(classes, name="logits")(hidden)
     return keras.layers.Activation("softmax", dtype="float32", name="probs")(logits)
 
 
@@ -157,17 +158,29 @@ def _guide_softmax(hidden):
 def test_the_report_says_what_a_float32_softmax_layer_on_16_bit_logits_keeps(policy):
     kmp.set_policy(policy)
     report = kmp.precision_report(kmp.prepare(_head(_guide_softmax)))
-    # 8 positions x 50 classes of 2 bytes per sample.
-    assert "the output 'probs' computes a float32 softmax" in report.memory
-    assert f"({8 * 50 * 2 / 2**20:.3g} MiB of 16-bit logits per sample)" in (
-        report.memory
+    assert (
+        "the output 'probs' computes a float32 softmax of 'logits''s 16-bit logits"
+        in report.memory
     )
-    assert "activation='softmax'" in report.memory and "from_logits" in report.memory
+    assert "(50 16-bit values per output position, 100 bytes)" in report.memory
+    assert "Folding it into 'logits' (activation='softmax')" in report.memory
+    assert "from_logits=True" in report.memory and "16 inputs" in report.memory
     assert report.memory in str(report).replace("\n", " ")
-    # Keras's own Softmax layer at the output, which kmp computes in float32.
-    model = _head(lambda h: keras.layers.Softmax(name="p")(keras.layers.Dense(50)(h)))
-    assert "the output 'p' computes a float32 softmax" in (
-        kmp.precision_report(kmp.prepare(model)).memory
+    # Keras's own Softmax layer at the output, which kmp computes in float32,
+    # on a sequence of unknown length (the size is per position).
+    model = _head(
+        lambda h: keras.layers.Softmax(name="p")(keras.layers.Dense(50, name="d")(h)),
+        length=None,
+    )
+    memory = kmp.precision_report(kmp.prepare(model)).memory
+    assert "the output 'p' computes a float32 softmax of 'd''s 16-bit" in memory
+
+
+def _added(hidden):
+    # The softmax's input made by a layer without an activation to fold into.
+    a, b = keras.layers.Dense(50)(hidden), keras.layers.Dense(50)(hidden)
+    return keras.layers.Activation("softmax", dtype="float32")(
+        keras.layers.Add()([a, b])
     )
 
 
@@ -180,13 +193,31 @@ def test_the_report_says_what_a_float32_softmax_layer_on_16_bit_logits_keeps(pol
         lambda h: keras.layers.Dense(50)(h),
         # A softmax inside the model, not its output.
         lambda h: keras.layers.Dense(50)(keras.layers.Activation("softmax")(h)),
+        # A classifier head with fewer classes than inputs: a float32 Dense
+        # would keep a float32 copy of its 16 inputs, more than it saves.
+        lambda h: _guide_softmax(h, classes=10),
+        _added,
     ],
 )
-def test_the_report_says_nothing_of_an_output_that_keeps_no_16_bit_logits(output):
+def test_the_report_says_nothing_where_folding_the_softmax_saves_nothing(output):
     kmp.set_policy("mixed_bfloat16")
     assert "logits" not in kmp.precision_report(kmp.prepare(_head(output))).memory
 
 
-def test_the_output_note_needs_a_16_bit_input():
+def test_the_output_note_reads_the_policy_the_logits_compute_in_now():
     kmp.set_policy("float32")
     assert kmp.precision_report(kmp.prepare(_head(_guide_softmax))).memory == ""
+    # Built under bfloat16, its logits then computed in float32 by a rule.
+    kmp.set_policy("mixed_bfloat16")
+    model = _head(_guide_softmax)
+    kmp.set_layer_policy("name:logits", "float32")
+    report = kmp.precision_report(kmp.prepare(model))
+    assert model.get_layer("logits").compute_dtype == "float32"
+    assert "logits" not in report.memory
+
+
+def test_both_memory_notes_are_said_together():
+    kmp.set_policy("mixed_bfloat16")
+    model = _head(lambda h: _guide_softmax(keras.layers.LayerNormalization()(h)))
+    memory = kmp.precision_report(kmp.prepare(model)).memory
+    assert "normalization layer" in memory and "'probs' computes" in memory

@@ -16,6 +16,7 @@ from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
 from kmp.diagnostics import doctor
 from kmp.diagnostics import underflow
+from kmp.internals import keras_private
 from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
 from kmp.planning import applied as applied_lib
@@ -100,9 +101,10 @@ class PrecisionReport:
             float32 copy of their 16-bit input for the backward pass, that
             sentence with what keeps the 16-bit input instead
             (`kmp.layers`); where its output is a float32 softmax layer of
-            its own on 16-bit logits, which the step then keeps beside
-            their float32 copy, that sentence with what keeps only the
-            float32 ones; `''` elsewhere.
+            its own on the 16-bit logits of a layer with fewer inputs than
+            classes, which the step then keeps beside their float32 copy,
+            that sentence with what keeps only the float32 ones; `''`
+            elsewhere.
     """
 
     model_name: str
@@ -432,11 +434,16 @@ _SIXTEEN_BIT = ("float16", "bfloat16")
 
 def _output_copy_note(model) -> str:
     """Where the model's output is a softmax layer of its own that computes
-    in float32 on a 16-bit input (Keras's mixed-precision guide writes
-    `Activation('softmax', dtype='float32')` after the last Dense): the
-    step keeps the 16-bit logits and their float32 copy, and what keeps
-    only the float32 ones; `''` elsewhere. Read from the model's graph
-    (a Sequential or Functional model's own outputs)."""
+    in float32 on the 16-bit logits of a layer with an activation argument
+    (Keras's mixed-precision guide writes `Activation('softmax',
+    dtype='float32')` after the last Dense), and that layer has fewer inputs
+    than classes: the step keeps the 16-bit logits beside their float32
+    copy, and folding the softmax into that layer (computed in float32 as
+    the output, it keeps a float32 copy of its inputs instead) keeps less.
+    `''` elsewhere, and for a head with as many inputs as classes or more,
+    where the fold would cost more than it saves. Read from the model's
+    graph (a Sequential or Functional model's own outputs; the first such
+    output only)."""
     if not isinstance(model, keras.Model):
         return ""
     try:
@@ -444,40 +451,47 @@ def _output_copy_note(model) -> str:
     except (AttributeError, ValueError):  # a subclassed model has none
         return ""
     for layer in model.layers:
-        spec = tracing.recorded_input(layer)
-        standalone = isinstance(layer, keras.layers.Softmax) or (
-            isinstance(layer, keras.layers.Activation)
-            and kinds.activation_name(layer) is not None
+        name = (
+            "softmax"
+            if isinstance(layer, keras.layers.Softmax)
+            else kinds.activation_name(layer)
+            if isinstance(layer, keras.layers.Activation)
+            else None
         )
+        spec = tracing.recorded_input(layer)
+        if name is None or spec is None or layer.compute_dtype != "float32":
+            continue
         try:
-            produces_output = id(layer.output) in outputs
+            if id(layer.output) not in outputs:
+                continue
         except (AttributeError, ValueError):
-            produces_output = False
+            continue
+        head = keras_private.producer(spec)
+        head_input = tracing.recorded_input(head)
+        classes = spec.shape[-1]
         if not (
-            standalone
-            and produces_output
-            and spec is not None
-            and layer.compute_dtype == "float32"
-            and keras.backend.standardize_dtype(spec.dtype) in _SIXTEEN_BIT
+            isinstance(head, keras.layers.Layer)
+            and hasattr(head, "activation")
+            and head_input is not None
+            # What it computes in now (kmp.prepare, a layer rule), not the
+            # dtype recorded when the model was built.
+            and head.compute_dtype in _SIXTEEN_BIT
+            and classes is not None
+            and head_input.shape[-1] is not None
+            and classes > head_input.shape[-1]
         ):
             continue
-        values = 1
-        for size in spec.shape[1:]:
-            if size is None:
-                return ""  # no size to state
-            values *= size
-        mib = values * 2 / 2**20
-        name = kinds.activation_name(layer) or "softmax"
         return (
             f"Memory: the output {layer.name!r} computes a float32 {name} of "
-            "a 16-bit input, so the step keeps the 16-bit logits beside their "
-            f"float32 copy ({mib:.3g} MiB of 16-bit logits per sample). "
-            "Folding it into the layer before it (Dense(..., "
-            f"activation={name!r}), which kmp then computes in float32 as "
-            "the model's output), or "
-            "outputting that layer's logits and compiling the loss with "
-            "from_logits=True, keeps only the float32 ones: less memory, for "
-            "a float32 matmul in that layer."
+            f"{head.name!r}'s 16-bit logits, so the step keeps them beside "
+            f"their float32 copy ({classes:,} 16-bit values per output "
+            f"position, {2 * classes:,} bytes). Folding it into {head.name!r} "
+            f"(activation={name!r}), which kmp then computes in float32 as "
+            f"the model's output, or outputting {head.name!r}'s logits and "
+            "compiling the loss with from_logits=True, keeps only the float32 "
+            f"ones, for a float32 matmul in {head.name!r} and a float32 copy "
+            f"of its {head_input.shape[-1]:,} inputs per position (fewer than "
+            "its classes)."
         )
     return ""
 
