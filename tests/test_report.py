@@ -197,6 +197,10 @@ def _added(hidden):
         # would keep a float32 copy of its 16 inputs, more than it saves.
         lambda h: _guide_softmax(h, classes=10),
         _added,
+        # Logits through an activation of their own: nothing to fold into.
+        lambda h: keras.layers.Activation("softmax", dtype="float32")(
+            keras.layers.Dense(50, activation="relu")(h)
+        ),
     ],
 )
 def test_the_report_says_nothing_where_folding_the_softmax_saves_nothing(output):

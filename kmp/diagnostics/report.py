@@ -434,8 +434,8 @@ _SIXTEEN_BIT = ("float16", "bfloat16")
 
 def _output_copy_note(model) -> str:
     """Where the model's output is a softmax layer of its own that computes
-    in float32 on the 16-bit logits of a layer with an activation argument
-    (Keras's mixed-precision guide writes `Activation('softmax',
+    in float32 on the 16-bit logits of a layer with a linear activation
+    argument (Keras's mixed-precision guide writes `Activation('softmax',
     dtype='float32')` after the last Dense), and that layer has fewer inputs
     than classes: the step keeps the 16-bit logits beside their float32
     copy, and folding the softmax into that layer (computed in float32 as
@@ -471,7 +471,8 @@ def _output_copy_note(model) -> str:
         classes = spec.shape[-1]
         if not (
             isinstance(head, keras.layers.Layer)
-            and hasattr(head, "activation")
+            # An activation argument, left linear: there to fold into.
+            and getattr(getattr(head, "activation", None), "__name__", "") == "linear"
             and head_input is not None
             # What it computes in now (kmp.prepare, a layer rule), not the
             # dtype recorded when the model was built.
