@@ -172,6 +172,46 @@ def test_the_backward_pass_keeps_the_16bit_input_and_no_float32_copy():
     assert kept["kmp"] == {"bfloat16"}
 
 
+def test_layer_normalization_recomputes_in_float32_only_once_its_gradient_arrives():
+    """What the gradient recomputes from the 16-bit input depends on that
+    input alone: without a dependency on the incoming gradient, the executor
+    runs it during the forward pass and holds its float32 result until the
+    backward pass (seen at a transformer's peak, one per layer)."""
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5, 8))
+    h = keras.layers.Dense(8)(inputs)
+    h = kmp.layers.LayerNormalization(name="norm")(h)
+    model = kmp.prepare(keras.Model(inputs, keras.layers.Dense(3)(h)))
+    x = tf.constant(np.random.default_rng(5).random((4, 5, 8), "float32"))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(x).graph
+    ops = graph.get_operations()
+    # The layer's 16-bit input: what its forward pass reads under a
+    # StopGradient.
+    (source,) = {
+        op.inputs[0].ref()
+        for op in ops
+        if op.type == "StopGradient" and op.inputs[0].dtype == tf.bfloat16
+    }
+    widened = [
+        op
+        for op in ops
+        if op.type == "Cast"
+        and op.inputs[0].ref() == source
+        and op.outputs[0].dtype == tf.float32
+    ]
+    assert widened  # the gradient's recomputation from the 16-bit input
+    for op in widened:
+        assert op.control_inputs, op.name
+
+
 def test_lean_normalization_replaces_every_keras_batch_normalization():
     kmp.set_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)

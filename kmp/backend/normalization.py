@@ -131,7 +131,11 @@ def layer_normalization(
 
         def gradient(dy):
             dy = tf.cast(dy, tf.float32)
-            wide = tf.cast(x, tf.float32)
+            # Recomputed once the gradient arrives: without the dependency,
+            # the executor runs what depends on `x` alone during the forward
+            # pass, and holds its float32 result until the backward pass.
+            with tf.control_dependencies([dy]):
+                wide = tf.cast(x, tf.float32)
             mean, inverse = statistics(wide)
             normalized = (wide - mean) * inverse
             batch_axes = list(range(x.shape.rank - 1))
