@@ -161,6 +161,8 @@ class Adam(_HalfState, keras.optimizers.Adam):
             `'nearest'` (changes below half a bfloat16 step are lost).
         seed: Selects the random draws of stochastic rounding (each step
             and moment draws its own, from this seed and the step number).
+            Two optimizers with the same seed draw the same: give each of
+            a model's optimizers its own (a GAN's two, for example).
         **kwargs: Keras's other optimizer arguments (weight decay, clipping,
             EMA, gradient accumulation, ...).
 
