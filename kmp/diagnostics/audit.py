@@ -210,7 +210,7 @@ def range_check(
     in a layer kept in float32, cannot overflow float16); a model that
     computes all in float32 has every op counted (what float16 would meet)."""
     sixteen = any(
-        str(layer.compute_dtype) in ("float16", "bfloat16")
+        str(layer.compute_dtype) in policy_lib.SIXTEEN_BIT
         for layer in [model] + [site.layer for site in traversal.walk(model)]
     )
     measured = ranges.activation_ranges(model, sample, sixteen_bit_only=sixteen)

@@ -429,9 +429,6 @@ def precision_report(
     )
 
 
-_SIXTEEN_BIT = ("float16", "bfloat16")
-
-
 def _output_copy_note(model) -> str:
     """Where the model's output is a softmax layer of its own that computes
     in float32 on the 16-bit logits of a layer with a linear activation
@@ -476,7 +473,7 @@ def _output_copy_note(model) -> str:
             and head_input is not None
             # What it computes in now (kmp.prepare, a layer rule), not the
             # dtype recorded when the model was built.
-            and head.compute_dtype in _SIXTEEN_BIT
+            and head.compute_dtype in policy_lib.SIXTEEN_BIT
             and classes is not None
             and head_input.shape[-1] is not None
             and classes > head_input.shape[-1]

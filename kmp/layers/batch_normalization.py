@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from kmp.backend import normalization
+from kmp.precision import policy as policy_lib
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -99,7 +100,7 @@ def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
         layer, BatchNormalization
     ):
         return False
-    if layer.compute_dtype not in ("float16", "bfloat16") or not layer.built:
+    if layer.compute_dtype not in policy_lib.SIXTEEN_BIT or not layer.built:
         return False
     rank = getattr(layer.input_spec, "ndim", None)
     return (

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from kmp.backend import normalization
 from kmp.backend import tracing
+from kmp.precision import policy as policy_lib
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -89,7 +90,7 @@ def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
         return False
     rank = len(spec.shape)
     return (
-        keras.backend.standardize_dtype(spec.dtype) in ("float16", "bfloat16")
+        keras.backend.standardize_dtype(spec.dtype) in policy_lib.SIXTEEN_BIT
         and len(axes(layer)) == 1
         and axes(layer)[0] in (-1, rank - 1)
         and spec.shape[-1] is not None

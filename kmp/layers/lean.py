@@ -11,6 +11,7 @@ from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
 from kmp.layers.batch_normalization import BatchNormalization
 from kmp.layers.layer_normalization import LayerNormalization
+from kmp.precision import policy as policy_lib
 
 # Keras's classes, and kmp's that replace them.
 _REPLACEMENTS = {
@@ -196,7 +197,7 @@ def _worth_naming(norm) -> bool:
         norm, tuple(_REPLACEMENTS.values())
     ):
         return False  # not a normalization, or kmp's already
-    if norm.compute_dtype not in ("float16", "bfloat16"):
+    if norm.compute_dtype not in policy_lib.SIXTEEN_BIT:
         return False
     if isinstance(norm, keras.layers.BatchNormalization):
         return batch_normalization.fusable_settings(norm)
