@@ -146,6 +146,17 @@ def _gradient_reads(model, x, y):
     ]
 
 
+def _kept_at_size(net, keras_layer, kmp_layer, x, y, elements) -> dict:
+    """{'keras': dtypes, 'kmp': dtypes} of the tensors of `elements` values
+    that the backward pass of `net` built with each layer reads from its
+    forward pass (`_gradient_reads`)."""
+    kept = {}
+    for name, layer in (("keras", keras_layer), ("kmp", kmp_layer)):
+        reads = _gradient_reads(kmp.prepare(net(layer)), x, y)
+        kept[name] = {dtype for dtype, size in reads if size == elements}
+    return kept
+
+
 def _conv_net(batch_norm):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16, 16, 3))
@@ -161,13 +172,14 @@ def test_the_backward_pass_keeps_the_16bit_input_and_no_float32_copy():
     x = tf.constant(np.random.default_rng(4).random((4, 16, 16, 3), "float32"))
     y = tf.constant([0, 1, 2, 0])
     activation = 4 * 16 * 16 * 8  # elements of the conv's output
-    kept = {}
-    for name, layer in (
-        ("keras", keras.layers.BatchNormalization),
-        ("kmp", kmp.layers.BatchNormalization),
-    ):
-        reads = _gradient_reads(kmp.prepare(_conv_net(layer)), x, y)
-        kept[name] = {dtype for dtype, size in reads if size == activation}
+    kept = _kept_at_size(
+        _conv_net,
+        keras.layers.BatchNormalization,
+        kmp.layers.BatchNormalization,
+        x,
+        y,
+        activation,
+    )
     assert kept["keras"] == {"float32", "bfloat16"}  # Keras's copy is there
     assert kept["kmp"] == {"bfloat16"}
 
@@ -476,13 +488,14 @@ def test_layer_normalization_backward_keeps_the_16bit_input_and_no_float32_copy(
     x = tf.constant(np.random.default_rng(13).integers(0, 50, (4, 16)), "int32")
     y = tf.constant([0, 1, 2, 0])
     activation = 4 * 16 * 32
-    kept = {}
-    for name, layer in (
-        ("keras", keras.layers.LayerNormalization),
-        ("kmp", kmp.layers.LayerNormalization),
-    ):
-        reads = _gradient_reads(kmp.prepare(_token_net(layer)), x, y)
-        kept[name] = {dtype for dtype, size in reads if size == activation}
+    kept = _kept_at_size(
+        _token_net,
+        keras.layers.LayerNormalization,
+        kmp.layers.LayerNormalization,
+        x,
+        y,
+        activation,
+    )
     assert "float32" in kept["keras"]  # Keras's copy is there
     assert kept["kmp"] == {"bfloat16"}
 
