@@ -8,6 +8,10 @@ Two models, random weights and data:
   transformer  4 pre-LN blocks (d 256, 8 heads, feed-forward 1024), sequence
                256, vocabulary 8000, next-token softmax kept in float32 (as
                Keras's mixed-precision guide writes it), batch 16
+  transformer-folded  the same with its softmax folded into the last Dense
+               (`Dense(8000, activation="softmax", dtype="float32")`, what
+               kmp computes for an output layer), as `kmp.precision_report`
+               advises for that head
 
 Each trained with Adam by `fit`, one way per process:
 
@@ -17,9 +21,10 @@ Each trained with Adam by `fit`, one way per process:
   kmp          `kmp.set_policy(policy)` and `kmp.compile` (the default:
                skip guard, fused update where kmp's rule fuses)
   kmp-unfused  the same with `fused_update=False`
-  kmp-lean     kmp's default, with `kmp.layers.lean_normalization(model)`
-               (batch and layer normalization keeping their 16-bit input,
-               not a float32 copy, for the backward pass)
+  kmp-lean     kmp's default, with `kmp.layers.lean(model)` (batch and
+               layer normalization keeping their 16-bit input, attention
+               its 16-bit probabilities, not float32 copies, for the
+               backward pass)
 
 Per row, two measures of memory, with the median step time:
 
@@ -56,10 +61,10 @@ from _timing import status_mib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-MODELS = ("resnet50", "transformer")
+MODELS = ("resnet50", "transformer", "transformer-folded")
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 WAYS = ("keras", "kmp", "kmp-unfused", "kmp-lean")
-BATCH = {"resnet50": 32, "transformer": 16}
+BATCH = {"resnet50": 32, "transformer": 16, "transformer-folded": 16}
 IMAGE, CLASSES = 128, 1000
 SEQUENCE, VOCAB, WIDTH, HEADS, BLOCKS = 256, 8000, 256, 8, 4
 
@@ -97,8 +102,13 @@ def build(name: str):
         return model, x, y
     layers = keras.layers
     tokens, h = transformer_trunk()
-    logits = layers.Dense(VOCAB)(h)
-    outputs = layers.Activation("softmax", dtype="float32")(logits)
+    if name == "transformer-folded":
+        # What kmp computes for the output layer, written as a Keras user
+        # would for plain Keras.
+        outputs = layers.Dense(VOCAB, activation="softmax", dtype="float32")(h)
+    else:
+        logits = layers.Dense(VOCAB)(h)
+        outputs = layers.Activation("softmax", dtype="float32")(logits)
     model = keras.Model(tokens, outputs)
     x = rng.integers(0, VOCAB, (batch, SEQUENCE)).astype("int32")
     return model, x, np.roll(x, -1, axis=1)
@@ -118,7 +128,7 @@ def compiled(name: str, policy: str, way: str):
     keras.utils.set_random_seed(0)
     model, x, y = build(name)
     if way == "kmp-lean":
-        model = kmp.layers.lean_normalization(model)
+        model = kmp.layers.lean(model)
     loss = "sparse_categorical_crossentropy"
     if way == "keras":
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)

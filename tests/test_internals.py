@@ -45,6 +45,8 @@ def test_every_keras_attribute_kmp_reads_is_there():
     assert not keras_private.runs_attention_code_of(
         layer, keras.layers.MultiHeadAttention
     )
+    assert keras_private.flash_attention(layer) is False
+    assert keras_private.flash_attention(OwnScores(2, 4, flash_attention=True))
 
     class Subclassed(keras.Model):
         def __init__(self):

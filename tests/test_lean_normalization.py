@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from backward import gradient_reads
 
 import kmp
 from kmp.internals import keras_private
@@ -124,35 +125,13 @@ def test_where_the_fused_computation_does_not_apply_it_is_kerass(config, call):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def _gradient_reads(model, x, y):
-    """The (dtype, element count) of every tensor the backward pass of one
-    training step reads from the forward pass: what the step holds from
-    the forward pass until the gradient is computed."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return tape.gradient(loss, model.trainable_variables)
-
-    graph = step.get_concrete_function(x, y).graph
-    backward = {op for op in graph.get_operations() if "gradient_tape" in op.name}
-    return [
-        (t.dtype.name, t.shape.num_elements())
-        for op in backward
-        for t in op.inputs
-        if t.op not in backward and t.shape.num_elements()
-    ]
-
-
 def _kept_at_size(net, keras_layer, kmp_layer, x, y, elements) -> dict:
     """{'keras': dtypes, 'kmp': dtypes} of the tensors of `elements` values
     that the backward pass of `net` built with each layer reads from its
-    forward pass (`_gradient_reads`)."""
+    forward pass (`gradient_reads`)."""
     kept = {}
     for name, layer in (("keras", keras_layer), ("kmp", kmp_layer)):
-        reads = _gradient_reads(kmp.prepare(net(layer)), x, y)
+        reads = gradient_reads(kmp.prepare(net(layer)), x, y)
         kept[name] = {dtype for dtype, size in reads if size == elements}
     return kept
 

@@ -19,6 +19,7 @@ from kmp.diagnostics import underflow
 from kmp.internals import keras_private
 from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
+from kmp.layers import multi_head_attention
 from kmp.planning import applied as applied_lib
 from kmp.planning import decisions as planning
 from kmp.precision import kinds
@@ -100,7 +101,10 @@ class PrecisionReport:
         memory: Where the model's Keras normalization layers keep a
             float32 copy of their 16-bit input for the backward pass, that
             sentence with what keeps the 16-bit input instead
-            (`kmp.layers`); where its output is a float32 softmax layer of
+            (`kmp.layers`); where its Keras `MultiHeadAttention` layers keep
+            a float32 copy of their 16-bit attention probabilities beside
+            them, that sentence with what keeps the 16-bit ones alone; where
+            its output is a float32 softmax layer of
             its own on the 16-bit logits of a layer with fewer inputs than
             classes, which the step then keeps beside their float32 copy,
             that sentence with what keeps only the float32 ones; `''`
@@ -422,7 +426,11 @@ def precision_report(
             if getattr(model, "jit_compile", False) is True  # XLA decides
             else " ".join(
                 note
-                for note in (_memory_note(the_plan), _output_copy_note(model))
+                for note in (
+                    _memory_note(the_plan),
+                    _attention_note(the_plan),
+                    _output_copy_note(model),
+                )
                 if note
             )
         ),
@@ -505,15 +513,38 @@ def _memory_note(decisions) -> str:
     ]
     if not copies:
         return ""
-    named = ", ".join(repr(path) for path in copies[:3])
-    more = f" and {len(copies) - 3} more" if len(copies) > 3 else ""
-    layers = "layer" if len(copies) == 1 else "layers"
-    keep = "keeps" if len(copies) == 1 else "keep"
     return (
-        f"Memory: {len(copies)} normalization {layers} ({named}{more}) "
-        f"{keep} a float32 copy of the 16-bit input for the backward pass, twice "
+        f"Memory: {_layers_that_keep(copies, 'normalization')} a float32 copy "
+        "of the 16-bit input for the backward pass, twice "
         "the memory of the input itself. kmp.layers.lean_normalization(model) "
         "(before compiling a Keras Sequential or Functional model), or "
         "kmp.layers.BatchNormalization and LayerNormalization in the model's "
         "code, keep the 16-bit input instead."
     )
+
+
+def _attention_note(decisions) -> str:
+    """What the model's attention layers keep for the backward pass, where
+    kmp's layer would keep less; `''` elsewhere."""
+    copies = [
+        d.path for d in decisions if multi_head_attention.keeps_float32_copy(d.layer)
+    ]
+    if not copies:
+        return ""
+    return (
+        f"Memory: {_layers_that_keep(copies, 'attention')} a float32 copy of "
+        "the 16-bit attention probabilities ([batch, heads, queries, keys]) "
+        "for the backward pass beside the 16-bit ones, three times the memory "
+        "of the 16-bit ones alone. kmp.layers.lean(model) (before compiling a "
+        "Keras Sequential or Functional model), or kmp.layers.MultiHeadAttention "
+        "in the model's code, keeps the 16-bit ones alone."
+    )
+
+
+def _layers_that_keep(paths: list[str], kind: str) -> str:
+    """`'2 attention layers ('a', 'b') keep'`: the first three named."""
+    named = ", ".join(repr(path) for path in paths[:3])
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    if len(paths) == 1:
+        return f"1 {kind} layer ({named}) keeps"
+    return f"{len(paths)} {kind} layers ({named}{more}) keep"

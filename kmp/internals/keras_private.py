@@ -1,10 +1,11 @@
 """The private Keras attributes kmp reads: a layer's sublayers, whether it
 converts its inputs, a functional model's graph, the input shapes a model
 was built with, the tracker that locks a model's state, the attention
-methods kmp's attention rule compares, an optimizer's variables, the
-backend variable inside a `keras.Variable`, a variable's path, the
-stack of Keras's name scopes, whether a model is of Keras's own graph
-classes, and a container's own trainable flag.
+methods kmp's attention rule compares, whether an attention layer uses flash
+attention, an optimizer's variables, the backend variable inside a
+`keras.Variable`, a variable's path, the stack of Keras's name scopes,
+whether a model is of Keras's own graph classes, and a container's own
+trainable flag.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -131,6 +132,18 @@ def runs_attention_code_of(layer: keras.layers.Layer, base: type) -> bool:
     return all(
         getattr(type(layer), name) is getattr(base, name) for name in ATTENTION_METHODS
     )
+
+
+def flash_attention(layer: keras.layers.MultiHeadAttention) -> bool:
+    """Whether an attention layer was asked for flash attention
+    (`MultiHeadAttention._flash_attention`: its `flash_attention` argument,
+    or Keras's global switch when that is None)."""
+    _check(
+        layer,
+        "_flash_attention",
+        "kmp cannot tell whether an attention layer uses flash attention",
+    )
+    return bool(layer._flash_attention)
 
 
 def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list:

@@ -1,11 +1,21 @@
 """Keras layers that keep less for the backward pass under a 16-bit policy:
 `kmp.layers.BatchNormalization` and `kmp.layers.LayerNormalization` keep
-their 16-bit input where Keras's keep a float32 copy, and
-`kmp.layers.lean_normalization(model)` puts them in place of Keras's in a
-built model."""
+their 16-bit input where Keras's keep a float32 copy,
+`kmp.layers.MultiHeadAttention` its 16-bit attention probabilities where
+Keras's keeps a float32 copy beside them, and `kmp.layers.lean(model)` puts
+them in place of Keras's in a built model (`lean_normalization`: the
+normalizations alone)."""
 
 from kmp.layers.batch_normalization import BatchNormalization
 from kmp.layers.layer_normalization import LayerNormalization
+from kmp.layers.lean import lean
 from kmp.layers.lean import lean_normalization
+from kmp.layers.multi_head_attention import MultiHeadAttention
 
-__all__ = ["BatchNormalization", "LayerNormalization", "lean_normalization"]
+__all__ = [
+    "BatchNormalization",
+    "LayerNormalization",
+    "MultiHeadAttention",
+    "lean",
+    "lean_normalization",
+]

@@ -301,16 +301,30 @@ def kind_of(layer: keras.layers.Layer) -> tuple[LayerKind, str] | None:
     return None
 
 
+# Attention classes whose own code computes what Keras's attention code
+# computes from the same sublayers' outputs, most derived first: Keras's, and
+# kmp's (`kmp.layers`), which register themselves.
+_ATTENTION_CODE: list[type] = [
+    keras.layers.GroupQueryAttention,
+    keras.layers.MultiHeadAttention,
+]
+
+
+def register_attention_code(cls: type) -> None:
+    """Declares that attention layers of `cls` (a subclass of a Keras
+    attention layer) compute what Keras's attention code computes from the
+    same sublayers' outputs, so that kmp's attention rules treat them as
+    Keras's own; a subclass of `cls` that overrides its attention methods
+    runs its own code."""
+    _ATTENTION_CODE.insert(0, cls)
+
+
 def keeps_keras_attention_code(layer: keras.layers.Layer) -> bool:
-    """True when `layer` runs Keras's own attention code, which consumes its
-    sublayers' outputs with `keras.ops` only (a subclass that overrides it
-    may not)."""
-    base = (
-        keras.layers.GroupQueryAttention
-        if isinstance(layer, keras.layers.GroupQueryAttention)
-        else keras.layers.MultiHeadAttention
-    )
-    return keras_private.runs_attention_code_of(layer, base)
+    """True when `layer` runs Keras's own attention code (or code registered
+    as computing what it computes), which consumes its sublayers' outputs
+    with `keras.ops` only (a subclass that overrides it may not)."""
+    base = next((cls for cls in _ATTENTION_CODE if isinstance(layer, cls)), None)
+    return base is not None and keras_private.runs_attention_code_of(layer, base)
 
 
 _said_unresolved: set[str] = set()
