@@ -13,21 +13,23 @@ from tolerances import RELATIVE
 from tolerances import relative_error
 
 import kmp
+from kmp.internals import keras_private
 
 # One 16-bit rounding of a value of magnitude one.
 STEP = {"mixed_bfloat16": 2**-7, "mixed_float16": 2**-10, "float32": 2**-23}
 
 
-def _pair(policy, value_length=5, **config):
+def _pair(policy, value_length=5, key_width=False, **config):
     """kmp's attention and Keras's, built for queries of length 6 and values
-    of `value_length` (16 features each), with the same config and
-    weights."""
+    of `value_length` (16 features each; keys of 12 where `key_width`), with
+    the same config and weights."""
     kmp.set_policy(policy)
     keras.utils.set_random_seed(0)
     ours = kmp.layers.MultiHeadAttention(num_heads=4, key_dim=6, **config)
     theirs = keras.layers.MultiHeadAttention(num_heads=4, key_dim=6, **config)
+    key_shape = (2, value_length, 12) if key_width else None
     for layer in (ours, theirs):
-        layer.build((2, 6, 16), (2, value_length, 16))
+        layer.build((2, 6, 16), (2, value_length, 16), key_shape)
     theirs.set_weights(ours.get_weights())
     return ours, theirs
 
@@ -60,6 +62,9 @@ def _masks(kind, value_length):
         mask[0, :, 3:] = False  # padding
         mask[1, 2, :] = False  # a query that may attend to nothing
         return {"attention_mask": tf.constant(mask)}
+    if kind == "key":  # a key of its own, of another width
+        key = np.random.default_rng(7).normal(size=(2, value_length, 12))
+        return {"key": tf.constant(key.astype("float32"))}
     value_mask = np.ones((2, value_length), bool)
     value_mask[1, 2:] = False
     return {"value_mask": tf.constant(value_mask)}
@@ -75,10 +80,12 @@ def _assert_gradients_close(ours, theirs, policy, factor=4):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("masks", ["none", "causal", "attention_mask", "value_mask"])
+@pytest.mark.parametrize(
+    "masks", ["none", "causal", "attention_mask", "value_mask", "key"]
+)
 def test_it_computes_what_keras_computes(policy, masks):
     length = 6 if masks == "causal" else 5
-    ours, theirs = _pair(policy, value_length=length)
+    ours, theirs = _pair(policy, value_length=length, key_width=masks == "key")
     query, value = _inputs(length)
     call = _masks(masks, length)
     y_ours, g_ours = _run(ours, query, value, **call)
@@ -218,6 +225,20 @@ def test_under_float16_kmp_computes_its_scores_in_float32_as_for_kerass():
     np.testing.assert_array_equal(model(x), reference(x))
 
 
+def test_compiled_by_xla_it_computes_what_keras_computes():
+    ours, theirs = _pair("mixed_bfloat16", value_length=6)
+    query, value = _inputs(6)
+
+    def compiled(layer):
+        return tf.function(
+            lambda q, v: layer(q, v, use_causal_mask=True), jit_compile=True
+        )
+
+    np.testing.assert_array_equal(
+        compiled(ours)(query, value), compiled(theirs)(query, value)
+    )
+
+
 def _transformer(attention=keras.layers.MultiHeadAttention):
     keras.utils.set_random_seed(0)
     tokens = keras.Input((8,), dtype="int32")
@@ -250,6 +271,34 @@ def test_lean_replaces_attention_and_normalization_and_trains():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+def test_lean_after_prepare_keeps_the_policies_kmp_set():
+    """The precision report prepares the model it reads, and advises lean:
+    the rebuilt attention keeps kmp's float32 query and key projections
+    under float16 and its 16-bit value and output projections (a layer's
+    config carries its own policy alone), and computes as before."""
+    kmp.set_policy("mixed_float16")
+    model = kmp.prepare(_transformer())
+    before = {
+        layer.path: layer.dtype_policy.name
+        for layer in keras_private.sublayers(
+            model.get_layer("attention"), include_self=True
+        )
+    }
+    assert before["attention/value"] == "mixed_float16"
+    assert before["attention/query"] == "float32"
+    x = np.random.default_rng(7).integers(1, 50, (2, 8)).astype("int32")
+    expected = model(x)
+    lean = kmp.prepare(kmp.layers.lean(model))
+    after = {
+        layer.path: layer.dtype_policy.name
+        for layer in keras_private.sublayers(
+            lean.get_layer("attention"), include_self=True
+        )
+    }
+    assert after == before
+    np.testing.assert_allclose(lean(x), expected, rtol=0.01, atol=0.01)
+
+
 def test_lean_normalization_leaves_attention_as_it_is():
     kmp.set_policy("mixed_bfloat16")
     model = kmp.layers.lean_normalization(_transformer())
@@ -269,6 +318,9 @@ def test_lean_names_the_attention_it_cannot_replace():
     assert "'attention'" in message and "kmp.layers.MultiHeadAttention" in message
     assert type(model.get_layer("attention")) is Attention
     assert type(model.get_layer("norm")) is kmp.layers.LayerNormalization
+    # The report's advice for it is kmp's layer as its base class.
+    memory = kmp.precision_report(kmp.prepare(model), trace=False).memory
+    assert "1 attention layer ('attention')" in memory and "base class" in memory
 
 
 def test_a_model_saved_with_it_loads_with_it(tmp_path):

@@ -68,6 +68,9 @@ def _softmax(logits: tf.Tensor, mask: tf.Tensor | None, scale: float) -> tf.Tens
     False, computed in float32 and returned in `logits`' dtype, with a
     gradient that reads that 16-bit result."""
     forward = {}
+    # Read here, not from `logits` in the gradient: eagerly, that would
+    # hold the logits until the backward pass.
+    dtype = logits.dtype
 
     @tf.custom_gradient
     def probabilities(logits):
@@ -90,7 +93,7 @@ def _softmax(logits: tf.Tensor, mask: tf.Tensor | None, scale: float) -> tf.Tens
                 # Keras's `where` passes no gradient to a masked logit (a row
                 # masked whole is uniform, not zero, in the softmax).
                 d_logits = tf.where(mask, d_logits, tf.zeros((), tf.float32))
-            return tf.cast(d_logits * scale, logits.dtype)
+            return tf.cast(d_logits * scale, dtype)
 
         return result, gradient
 

@@ -535,9 +535,12 @@ def _attention_note(decisions) -> str:
         f"Memory: {_layers_that_keep(copies, 'attention')} a float32 copy of "
         "the 16-bit attention probabilities ([batch, heads, queries, keys]) "
         "for the backward pass beside the 16-bit ones, three times the memory "
-        "of the 16-bit ones alone. kmp.layers.lean(model) (before compiling a "
-        "Keras Sequential or Functional model), or kmp.layers.MultiHeadAttention "
-        "in the model's code, keeps the 16-bit ones alone."
+        "of the 16-bit ones alone. kmp.layers.lean(model) puts "
+        "kmp.layers.MultiHeadAttention, which keeps the 16-bit ones alone, in "
+        "place of Keras's own in a Sequential or Functional model before it is "
+        "compiled; a subclass of Keras's layer, or one a model's own code "
+        "creates, takes kmp's there instead (as its base class, or in that "
+        "code)."
     )
 
 

@@ -13,6 +13,7 @@ from kmp.layers import layer_normalization
 from kmp.layers.batch_normalization import BatchNormalization
 from kmp.layers.layer_normalization import LayerNormalization
 from kmp.layers.multi_head_attention import MultiHeadAttention
+from kmp.planning import applied
 from kmp.precision import policy as policy_lib
 
 # Keras's classes, and kmp's that replace them.
@@ -38,7 +39,9 @@ def lean(model: keras.Model) -> keras.Model:
 
     The model is rebuilt with Keras's `keras.models.clone_model`: each
     replacement takes its layer's config and weights (moving statistics
-    included), and every other layer is the same object, with the same
+    included), and the policies kmp set on it and its sublayers where the
+    model was prepared (`kmp.precision_report` prepares the model it
+    reads), and every other layer is the same object, with the same
     weights, in both models. Use the returned model from then on, and build
     on its graph (`new.input`, `new.output`): a shared layer's `.output` is
     the one of its first call, in `model`.
@@ -207,6 +210,7 @@ class _Rebuild:
         clone = keras.models.clone_model(model, clone_function=replace)
         for old, new in replaced:
             new.set_weights(old.get_weights())
+            applied.carry_over(old, new)
         if not model.trainable:
             # Keras's rebuild of a Functional model leaves it trainable.
             keras_private.set_own_trainable(clone, False)

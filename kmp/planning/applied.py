@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import keras
 
+from kmp.internals import keras_private
 from kmp.precision import policy as policy_lib
 from kmp.precision import quantization
 
@@ -78,3 +79,31 @@ def base_policy(model: keras.layers.Layer) -> policy_lib.Policy:
     if recorded is not None:
         return recorded
     return policy_lib.get(quantization.float_policy(model))
+
+
+def carry_over(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
+    """Gives `new`, a layer built from `old`'s config (a subclass's, in
+    `kmp.layers.lean`), the policies kmp set on `old` and its sublayers,
+    with kmp's records of them, sublayer by sublayer in Keras's order: a
+    layer's config carries its own policy alone, so that a model rebuilt
+    after `prepare` would otherwise take kmp's settings for the user's.
+
+    Raises:
+        ValueError: if the two layers' sublayers do not pair up.
+    """
+    olds = keras_private.sublayers(old, include_self=True)
+    news = keras_private.sublayers(new, include_self=True)
+    if [type(layer).__name__ for layer in olds[1:]] != [
+        type(layer).__name__ for layer in news[1:]
+    ]:
+        raise ValueError(
+            f"kmp cannot carry the policies it set on {old.path!r} over to its "
+            f"replacement: their sublayers differ ({len(olds) - 1} against "
+            f"{len(news) - 1}). Rebuild the model before kmp.prepare, "
+            "kmp.compile or kmp.precision_report."
+        )
+    for before, after in zip(olds, news, strict=True):
+        record = applied_to.get(before)
+        if record is not None:
+            after.dtype_policy = before.dtype_policy
+            applied_to[after] = record

@@ -316,7 +316,8 @@ def register_attention_code(cls: type) -> None:
     same sublayers' outputs, so that kmp's attention rules treat them as
     Keras's own; a subclass of `cls` that overrides its attention methods
     runs its own code."""
-    _ATTENTION_CODE.insert(0, cls)
+    if cls not in _ATTENTION_CODE:
+        _ATTENTION_CODE.insert(0, cls)
 
 
 def keeps_keras_attention_code(layer: keras.layers.Layer) -> bool:
