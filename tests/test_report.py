@@ -225,3 +225,31 @@ def test_both_memory_notes_are_said_together():
     model = _head(lambda h: _guide_softmax(keras.layers.LayerNormalization()(h)))
     memory = kmp.precision_report(kmp.prepare(model)).memory
     assert "normalization layer" in memory and "'probs' computes" in memory
+
+
+def _conv_net():
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)  # 8*8*4
+    x = keras.layers.Conv2D(2, 3, name="conv_2")(x)  # 6*6*2
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def test_the_report_says_what_float32_convolutions_under_float16_cost():
+    if not planning._float16_convolutions_are_slow():
+        pytest.skip("kmp's float16 speed rule applies on machines without GPUs")
+    kmp.set_policy("mixed_float16")
+    model = kmp.prepare(_conv_net())
+    memory = kmp.precision_report(model, trace=False).memory
+    assert "2 convolution layers ('conv', 'conv_2') compute in float32" in memory
+    assert f"({8 * 8 * 4 + 6 * 6 * 2:,} float32 values per sample" in memory
+    # The rule the note gives moves them back to float16, and the note goes.
+    kmp.set_layer_policy("class:*Conv*", "mixed_float16")
+    model = kmp.prepare(_conv_net())
+    assert model.get_layer("conv").compute_dtype == "float16"
+    assert kmp.precision_report(model, trace=False).memory == ""
+
+
+def test_the_report_is_silent_on_convolutions_under_bfloat16():
+    kmp.set_policy("mixed_bfloat16")
+    assert kmp.precision_report(kmp.prepare(_conv_net()), trace=False).memory == ""

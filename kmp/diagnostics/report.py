@@ -104,7 +104,9 @@ class PrecisionReport:
             (`kmp.layers`); where its Keras `MultiHeadAttention` layers keep
             a float32 copy of their 16-bit attention probabilities beside
             them, that sentence with what keeps the 16-bit ones alone; where
-            its output is a float32 softmax layer of
+            kmp's speed rule computes convolutions in float32 under float16
+            on a machine without GPUs, what that costs and the rule that
+            trades it back; where its output is a float32 softmax layer of
             its own on the 16-bit logits of a layer with fewer inputs than
             classes, which the step then keeps beside their float32 copy,
             that sentence with what keeps only the float32 ones; `''`
@@ -429,6 +431,7 @@ def precision_report(
                 for note in (
                     _memory_note(the_plan),
                     _attention_note(the_plan),
+                    _cpu_convolutions_note(the_plan),
                     _output_copy_note(model),
                 )
                 if note
@@ -545,9 +548,56 @@ def _attention_note(decisions) -> str:
 
 
 def _layers_that_keep(paths: list[str], kind: str) -> str:
-    """`'2 attention layers ('a', 'b') keep'`: the first three named."""
+    """`"2 attention layers ('a', 'b') keep"`."""
+    return f"{_counted(paths, kind)} {'keeps' if len(paths) == 1 else 'keep'}"
+
+
+def _counted(paths: list[str], kind: str) -> str:
+    """`"2 attention layers ('a', 'b')"`: the first three named."""
     named = ", ".join(repr(path) for path in paths[:3])
     more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-    if len(paths) == 1:
-        return f"1 {kind} layer ({named}) keeps"
-    return f"{len(paths)} {kind} layers ({named}{more}) keep"
+    layers = "layer" if len(paths) == 1 else "layers"
+    return f"{len(paths)} {kind} {layers} ({named}{more})"
+
+
+def _cpu_convolutions_note(decisions) -> str:
+    """What kmp's speed rule for float16 on CPUs (convolutions in float32)
+    costs in memory; `''` where it moved no layer."""
+    moved = [d for d in decisions if d.rule == planning.CPU_CONVOLUTIONS]
+    if not moved:
+        return ""
+    per_sample = _output_values(d.layer for d in moved)
+    size = (
+        f" ({per_sample:,} float32 values per sample, {2 * per_sample:,} bytes "
+        "more than float16's)"
+        if per_sample
+        else ""
+    )
+    return (
+        f"Memory: {_counted([d.path for d in moved], 'convolution')} compute "
+        "in float32 under float16 on this machine, which has no GPU (kmp's "
+        "speed rule: float16 convolutions are slow on CPUs), so the outputs "
+        f"the backward pass keeps take twice float16's memory{size}. For "
+        "memory over speed: kmp.set_layer_policy('class:*Conv*', "
+        "'mixed_float16'), or the 'mixed_bfloat16' policy, which computes "
+        "convolutions in 16 bits on CPUs."
+    )
+
+
+def _output_values(layers) -> int:
+    """The values per sample the layers' outputs hold, summed; 0 where a
+    layer's output (called once, in a functional graph) or its shape is not
+    known."""
+    total = 0
+    for layer in layers:
+        try:
+            shape = layer.output.shape[1:]
+        except (AttributeError, ValueError):
+            return 0
+        if any(size is None for size in shape):
+            return 0
+        count = 1
+        for size in shape:
+            count *= size
+        total += count
+    return total

@@ -45,6 +45,7 @@ NOT_FLOAT = "not a float layer: left as is"
 ATTENTION_SCORES = "default: attention scores in float32"
 TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
 SCORES_KEPT = "default: attention softmax 16-bit (its scores may reach user code)"
+CPU_CONVOLUTIONS = "default: float16 convolutions are slow on CPUs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +506,7 @@ def _default(site, kind, inherited, base, model_weights, top):
         if site.casts_downstream:
             name = kinds.activation_name(layer) or what.name
             if what.action == kinds.CPU_FLOAT16:
-                return float32, "default: float16 convolutions are slow on CPUs", ""
+                return float32, CPU_CONVOLUTIONS, ""
             return float32, f"default: {name} in float32", ""
         return (*plain[:2], f"left {inherited.compute_dtype}: {_where(site)}")
     if action == kinds.SCORES and layer.built and _scores_in_float32(layer, inherited):
