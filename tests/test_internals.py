@@ -47,6 +47,8 @@ def test_every_keras_attribute_kmp_reads_is_there():
     )
     assert keras_private.flash_attention(layer) is False
     assert keras_private.flash_attention(OwnScores(2, 4, flash_attention=True))
+    grouped = keras.layers.GroupQueryAttention(4, 2, 1)
+    assert keras_private.returns_attention_scores(grouped) is False
 
     class Subclassed(keras.Model):
         def __init__(self):

@@ -361,3 +361,93 @@ def test_the_report_is_silent_where_kerass_attention_keeps_no_copy(policy, confi
 
     model = kmp.prepare(kmp.layers.lean_normalization(_transformer(attention)))
     assert "attention" not in kmp.precision_report(model, trace=False).memory
+
+
+# --- GroupQueryAttention -----------------------------------------------------
+
+
+def _group_pair(policy, **config):
+    kmp.set_policy(policy)
+    keras.utils.set_random_seed(0)
+    layers = [
+        cls(head_dim=6, num_query_heads=4, num_key_value_heads=2, **config)
+        for cls in (kmp.layers.GroupQueryAttention, keras.layers.GroupQueryAttention)
+    ]
+    for layer in layers:
+        layer.build((2, 6, 16), (2, 6, 16))
+    layers[1].set_weights(layers[0].get_weights())
+    return layers
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("masks", ["none", "causal", "attention_mask"])
+def test_group_query_attention_computes_what_keras_computes(policy, masks):
+    ours, theirs = _group_pair(policy)
+    query, value = _inputs(6)
+    call = _masks(masks, 6)
+    y_ours, g_ours = _run(ours, query, value, **call)
+    y_theirs, g_theirs = _run(theirs, query, value, **call)
+    assert y_ours.dtype == ours.compute_dtype
+    np.testing.assert_array_equal(y_ours, y_theirs)
+    _assert_gradients_close(g_ours, g_theirs, policy)
+
+
+@pytest.mark.parametrize(
+    "config, call",
+    [({"dropout": 0.5}, {"training": False}), ({}, {"return_attention_scores": True})],
+    ids=["dropout", "scores"],
+)
+def test_group_query_attention_is_kerass_where_keras_computes_another_way(config, call):
+    ours, theirs = _group_pair("mixed_bfloat16", **config)
+    query, value = _inputs(6)
+    (y_ours, g_ours), (y_theirs, g_theirs) = (
+        _run(layer, query, value, **call) for layer in (ours, theirs)
+    )
+    for a, b in zip(tf.nest.flatten(y_ours), tf.nest.flatten(y_theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _grouped_net(attention):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(50, 16)(tokens)
+    x = attention(head_dim=6, num_query_heads=4, num_key_value_heads=2, name="gqa")(
+        x, x, use_causal_mask=True
+    )
+    return keras.Model(tokens, keras.layers.Dense(5, dtype="float32")(x))
+
+
+def test_group_query_attention_keeps_16bit_probabilities_and_is_put_in_by_lean():
+    kmp.set_policy("mixed_bfloat16")
+    x = tf.constant(np.random.default_rng(8).integers(0, 50, (2, 8)), "int32")
+    y = tf.constant(np.random.default_rng(9).integers(0, 5, (2, 8)), "int32")
+    probabilities = 2 * 4 * 8 * 8
+    model = _grouped_net(keras.layers.GroupQueryAttention)
+    memory = kmp.precision_report(kmp.prepare(model), trace=False).memory
+    assert "1 attention layer ('gqa') keeps a float32 copy" in memory
+    lean = kmp.layers.lean(model)
+    assert type(lean.get_layer("gqa")) is kmp.layers.GroupQueryAttention
+    assert kmp.precision_report(kmp.prepare(lean), trace=False).memory == ""
+    kept = {}
+    for name, net in (("keras", model), ("kmp", lean)):
+        reads = gradient_reads(kmp.prepare(net), x, y)
+        kept[name] = {
+            dtype for dtype, size in reads if size == probabilities and dtype != "bool"
+        }
+    assert kept["keras"] == {"float32", "bfloat16"}
+    assert kept["kmp"] == {"bfloat16"}
+
+
+def test_under_float16_kmp_computes_grouped_scores_in_float32_as_for_kerass():
+    kmp.set_policy("mixed_float16")
+    model = kmp.prepare(_grouped_net(kmp.layers.GroupQueryAttention))
+    reference = kmp.prepare(_grouped_net(keras.layers.GroupQueryAttention))
+    dtypes, expected = (
+        [inner.compute_dtype for inner in keras_private.sublayers(m.get_layer("gqa"))]
+        for m in (model, reference)
+    )
+    assert dtypes == expected and dtypes[0] == "float32"  # the query projection
+    x = np.random.default_rng(10).integers(0, 50, (2, 8)).astype("int32")
+    np.testing.assert_array_equal(model(x), reference(x))

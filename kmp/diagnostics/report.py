@@ -101,7 +101,8 @@ class PrecisionReport:
         memory: Where the model's Keras normalization layers keep a
             float32 copy of their 16-bit input for the backward pass, that
             sentence with what keeps the 16-bit input instead
-            (`kmp.layers`); where its Keras `MultiHeadAttention` layers keep
+            (`kmp.layers`); where its Keras `MultiHeadAttention` (or
+            `GroupQueryAttention`) layers keep
             a float32 copy of their 16-bit attention probabilities beside
             them, that sentence with what keeps the 16-bit ones alone; where
             kmp's speed rule computes convolutions in float32 under float16
@@ -539,7 +540,8 @@ def _attention_note(decisions) -> str:
         "the 16-bit attention probabilities ([batch, heads, queries, keys]) "
         "for the backward pass beside the 16-bit ones, three times the memory "
         "of the 16-bit ones alone. kmp.layers.lean(model) puts "
-        "kmp.layers.MultiHeadAttention, which keeps the 16-bit ones alone, in "
+        "kmp.layers.MultiHeadAttention and GroupQueryAttention, which keep the "
+        "16-bit ones alone, in "
         "place of Keras's own in a Sequential or Functional model before it is "
         "compiled; a subclass of Keras's layer, or one a model's own code "
         "creates, takes kmp's there instead (as its base class, or in that "

@@ -1,11 +1,11 @@
 """The private Keras attributes kmp reads: a layer's sublayers, whether it
 converts its inputs, a functional model's graph, the input shapes a model
 was built with, the tracker that locks a model's state, the attention
-methods kmp's attention rule compares, whether an attention layer uses flash
-attention, an optimizer's variables, the backend variable inside a
-`keras.Variable`, a variable's path, the stack of Keras's name scopes,
-whether a model is of Keras's own graph classes, and a container's own
-trainable flag.
+methods kmp's attention rule compares, whether an attention layer uses
+flash attention or returns its scores, an optimizer's variables, the
+backend variable inside a `keras.Variable`, a variable's path, the stack of
+Keras's name scopes, whether a model is of Keras's own graph classes, and a
+container's own trainable flag.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -144,6 +144,18 @@ def flash_attention(layer: keras.layers.MultiHeadAttention) -> bool:
         "kmp cannot tell whether an attention layer uses flash attention",
     )
     return bool(layer._flash_attention)
+
+
+def returns_attention_scores(layer: keras.layers.GroupQueryAttention) -> bool:
+    """Whether a `GroupQueryAttention` layer's current call returns its
+    scores (`GroupQueryAttention._return_attention_scores`, which its `call`
+    sets for `_compute_attention` to read)."""
+    _check(
+        layer,
+        "_return_attention_scores",
+        "kmp cannot tell whether an attention layer returns its scores",
+    )
+    return bool(layer._return_attention_scores)
 
 
 def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list:

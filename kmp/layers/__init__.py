@@ -1,12 +1,13 @@
 """Keras layers that keep less for the backward pass under a 16-bit policy:
 `kmp.layers.BatchNormalization` and `kmp.layers.LayerNormalization` keep
 their 16-bit input where Keras's keep a float32 copy,
-`kmp.layers.MultiHeadAttention` its 16-bit attention probabilities where
-Keras's keeps a float32 copy beside them, and `kmp.layers.lean(model)` puts
-them in place of Keras's in a built model (`lean_normalization`: the
-normalizations alone)."""
+`kmp.layers.MultiHeadAttention` and `GroupQueryAttention` their 16-bit
+attention probabilities where Keras's keep a float32 copy beside them, and
+`kmp.layers.lean(model)` puts them in place of Keras's in a built model
+(`lean_normalization`: the normalizations alone)."""
 
 from kmp.layers.batch_normalization import BatchNormalization
+from kmp.layers.group_query_attention import GroupQueryAttention
 from kmp.layers.layer_normalization import LayerNormalization
 from kmp.layers.lean import lean
 from kmp.layers.lean import lean_normalization
@@ -14,6 +15,7 @@ from kmp.layers.multi_head_attention import MultiHeadAttention
 
 __all__ = [
     "BatchNormalization",
+    "GroupQueryAttention",
     "LayerNormalization",
     "MultiHeadAttention",
     "lean",

@@ -11,6 +11,7 @@ from kmp.internals import keras_private
 from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
 from kmp.layers.batch_normalization import BatchNormalization
+from kmp.layers.group_query_attention import GroupQueryAttention
 from kmp.layers.layer_normalization import LayerNormalization
 from kmp.layers.multi_head_attention import MultiHeadAttention
 from kmp.planning import applied
@@ -21,13 +22,17 @@ _NORMALIZATIONS = {
     keras.layers.BatchNormalization: BatchNormalization,
     keras.layers.LayerNormalization: LayerNormalization,
 }
-_ALL = {**_NORMALIZATIONS, keras.layers.MultiHeadAttention: MultiHeadAttention}
+_ALL = {
+    **_NORMALIZATIONS,
+    keras.layers.MultiHeadAttention: MultiHeadAttention,
+    keras.layers.GroupQueryAttention: GroupQueryAttention,
+}
 
 
 def lean(model: keras.Model) -> keras.Model:
     """A model that computes as `model` does, with its Keras
-    `BatchNormalization`, `LayerNormalization` and `MultiHeadAttention`
-    layers replaced by kmp's (`kmp.layers`).
+    `BatchNormalization`, `LayerNormalization`, `MultiHeadAttention` and
+    `GroupQueryAttention` layers replaced by kmp's (`kmp.layers`).
 
     Under a 16-bit policy kmp's layers keep 16-bit tensors for the backward
     pass where Keras's keep float32 copies: each normalization keeps its

@@ -320,6 +320,13 @@ def register_attention_code(cls: type) -> None:
         _ATTENTION_CODE.insert(0, cls)
 
 
+def registered_attention_code() -> list[type]:
+    """The attention classes registered with `register_attention_code`
+    (kmp's own), most derived first."""
+    keras_own = (keras.layers.GroupQueryAttention, keras.layers.MultiHeadAttention)
+    return [cls for cls in _ATTENTION_CODE if cls not in keras_own]
+
+
 def keeps_keras_attention_code(layer: keras.layers.Layer) -> bool:
     """True when `layer` runs Keras's own attention code (or code registered
     as computing what it computes), which consumes its sublayers' outputs
