@@ -97,6 +97,17 @@ def test_it_computes_what_keras_computes(policy, masks):
     _assert_gradients_close(g_ours, g_theirs, policy)
 
 
+def _assert_runs_alike(ours, theirs, query, value, call):
+    """The same outputs (and scores) and gradients, bit for bit."""
+    (y_ours, g_ours), (y_theirs, g_theirs) = (
+        _run(layer, query, value, **call) for layer in (ours, theirs)
+    )
+    for a, b in zip(tf.nest.flatten(y_ours), tf.nest.flatten(y_theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "policy, config, call",
     [
@@ -115,13 +126,7 @@ def test_where_it_computes_another_way_it_is_kerass(policy, config, call):
     length = 6 if call.get("use_causal_mask") else 5
     ours, theirs = _pair(policy, value_length=length, **config)
     query, value = _inputs(length)
-    (y_ours, g_ours), (y_theirs, g_theirs) = (
-        _run(layer, query, value, **call) for layer in (ours, theirs)
-    )
-    for a, b in zip(tf.nest.flatten(y_ours), tf.nest.flatten(y_theirs), strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(g_ours, g_theirs, strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_runs_alike(ours, theirs, query, value, call)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
@@ -400,13 +405,7 @@ def test_group_query_attention_computes_what_keras_computes(policy, masks):
 def test_group_query_attention_is_kerass_where_keras_computes_another_way(config, call):
     ours, theirs = _group_pair("mixed_bfloat16", **config)
     query, value = _inputs(6)
-    (y_ours, g_ours), (y_theirs, g_theirs) = (
-        _run(layer, query, value, **call) for layer in (ours, theirs)
-    )
-    for a, b in zip(tf.nest.flatten(y_ours), tf.nest.flatten(y_theirs), strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(g_ours, g_theirs, strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_runs_alike(ours, theirs, query, value, call)
 
 
 def _grouped_net(attention):
