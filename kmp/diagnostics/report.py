@@ -17,9 +17,9 @@ from kmp.diagnostics import compiled_by
 from kmp.diagnostics import doctor
 from kmp.diagnostics import underflow
 from kmp.internals import keras_private
+from kmp.layers import attention as attention_layers
 from kmp.layers import batch_normalization
 from kmp.layers import layer_normalization
-from kmp.layers import multi_head_attention
 from kmp.planning import applied as applied_lib
 from kmp.planning import decisions as planning
 from kmp.precision import kinds
@@ -530,9 +530,7 @@ def _memory_note(decisions) -> str:
 def _attention_note(decisions) -> str:
     """What the model's attention layers keep for the backward pass, where
     kmp's layer would keep less; `''` elsewhere."""
-    copies = [
-        d.path for d in decisions if multi_head_attention.keeps_float32_copy(d.layer)
-    ]
+    copies = [d.path for d in decisions if attention_layers.keeps_float32_copy(d.layer)]
     if not copies:
         return ""
     return (

@@ -8,7 +8,7 @@ import math
 import keras
 
 from kmp.internals import keras_private
-from kmp.layers.multi_head_attention import lean_attention
+from kmp.layers.attention import lean_attention
 from kmp.precision import kinds
 
 
