@@ -76,6 +76,7 @@ def _reset():
     policy_lib._last_set = None
     kmp.clear_layer_policies()
     kmp.rules.set_attention_scores("auto")
+    kmp.rules.set_cpu_convolutions("speed")
     kmp.precision.kinds._clear_registrations()
     policy_lib._unregister_user_policies()
 

@@ -1,6 +1,6 @@
 """Precision rules: which layers compute in which dtype, and why: your rules
 (`set_layer_policy`), the layer kinds kmp knows (and `register_layer_class`
-for your own), and the attention scores mode.
+for your own), the attention scores mode and the CPU convolutions mode.
 
 A public module of kmp's: it only re-exports, from where each name lives.
 """
@@ -8,6 +8,9 @@ A public module of kmp's: it only re-exports, from where each name lives.
 from kmp.precision.attention import ATTENTION_MODES
 from kmp.precision.attention import attention_scores
 from kmp.precision.attention import set_attention_scores
+from kmp.precision.convolutions import CONVOLUTION_MODES
+from kmp.precision.convolutions import cpu_convolutions
+from kmp.precision.convolutions import set_cpu_convolutions
 from kmp.precision.kinds import ATTENTION_FLOAT32_SOFTMAX
 from kmp.precision.kinds import ATTENTION_OWN_CODE
 from kmp.precision.kinds import DEFAULTS
@@ -31,6 +34,7 @@ __all__ = [
     "ATTENTION_FLOAT32_SOFTMAX",
     "ATTENTION_MODES",
     "ATTENTION_OWN_CODE",
+    "CONVOLUTION_MODES",
     "DEFAULTS",
     "FLOAT32",
     "NORMALIZATION_16BIT",
@@ -42,10 +46,12 @@ __all__ = [
     "attention_scores",
     "clear_layer_policies",
     "closest",
+    "cpu_convolutions",
     "known_layer_class_names",
     "layer_rules",
     "register_layer_class",
     "set_attention_scores",
+    "set_cpu_convolutions",
     "set_layer_policy",
     "unmatched_message",
     "unregister_layer_class",

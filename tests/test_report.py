@@ -229,25 +229,49 @@ def test_both_memory_notes_are_said_together():
 
 def _conv_net():
     inputs = keras.Input((8, 8, 3))
-    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)  # 8*8*4
-    x = keras.layers.Conv2D(2, 3, name="conv_2")(x)  # 6*6*2
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)  # reads 8*8*3
+    x = keras.layers.Conv2D(2, 3, name="conv_2")(x)  # reads 8*8*4
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def _segmentation_net():
+    """Its output is a convolution's, which stays float32 either way."""
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="body")(inputs)
+    shared = keras.layers.Conv2D(4, 3, padding="same", name="shared")
+    x = shared(shared(x))  # called twice: reads 8*8*4 twice
+    return keras.Model(inputs, keras.layers.Conv2D(2, 1, name="head")(x))
 
 
 def test_the_report_says_what_float32_convolutions_under_float16_cost():
     if not planning._float16_convolutions_are_slow():
         pytest.skip("kmp's float16 speed rule applies on machines without GPUs")
     kmp.set_policy("mixed_float16")
-    model = kmp.prepare(_conv_net())
-    memory = kmp.precision_report(model, trace=False).memory
+    memory = kmp.precision_report(kmp.prepare(_conv_net()), trace=False).memory
     assert "2 convolution layers ('conv', 'conv_2') compute in float32" in memory
-    assert f"({8 * 8 * 4 + 6 * 6 * 2:,} float32 values per sample" in memory
-    # The rule the note gives moves them back to float16, and the note goes.
-    kmp.set_layer_policy("class:*Conv*", "mixed_float16")
-    model = kmp.prepare(_conv_net())
-    assert model.get_layer("conv").compute_dtype == "float16"
+    assert f": {8 * 8 * 3 + 8 * 8 * 4:,} values per sample" in memory
+    assert "kmp.rules.set_cpu_convolutions('memory')" in memory
+    model = kmp.prepare(_segmentation_net())
+    memory = kmp.precision_report(model, trace=False).memory
+    assert "2 convolution layers ('body', 'shared') compute" in memory
+    assert f": {8 * 8 * 3 + 2 * 8 * 8 * 4:,} values per sample" in memory
+
+
+def test_the_cpu_convolutions_switch_trades_the_speed_back_for_memory():
+    if not planning._float16_convolutions_are_slow():
+        pytest.skip("kmp's float16 speed rule applies on machines without GPUs")
+    kmp.set_policy("mixed_float16")
+    model = kmp.prepare(_segmentation_net())
+    assert model.get_layer("body").compute_dtype == "float32"
+    kmp.rules.set_cpu_convolutions("memory")
+    model = kmp.prepare(model)  # a prepared model, prepared again
+    assert model.get_layer("body").compute_dtype == "float16"
+    assert model.get_layer("shared").compute_dtype == "float16"
+    assert model.get_layer("head").compute_dtype == "float32"  # the output
     assert kmp.precision_report(model, trace=False).memory == ""
+    with pytest.raises(ValueError, match="'speed'"):
+        kmp.rules.set_cpu_convolutions("fast")
 
 
 def test_the_report_is_silent_on_convolutions_under_bfloat16():

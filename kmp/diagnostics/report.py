@@ -102,16 +102,16 @@ class PrecisionReport:
             float32 copy of their 16-bit input for the backward pass, that
             sentence with what keeps the 16-bit input instead
             (`kmp.layers`); where its Keras `MultiHeadAttention` (or
-            `GroupQueryAttention`) layers keep
-            a float32 copy of their 16-bit attention probabilities beside
-            them, that sentence with what keeps the 16-bit ones alone; where
-            kmp's speed rule computes convolutions in float32 under float16
-            on a machine without GPUs, what that costs and the rule that
-            trades it back; where its output is a float32 softmax layer of
-            its own on the 16-bit logits of a layer with fewer inputs than
-            classes, which the step then keeps beside their float32 copy,
-            that sentence with what keeps only the float32 ones; `''`
-            elsewhere.
+            `GroupQueryAttention`) layers keep a float32 copy of their 16-bit
+            attention probabilities beside them, that sentence with what
+            keeps the 16-bit ones alone; where kmp's speed rule computes
+            convolutions in float32 under float16 on a machine without GPUs,
+            what that costs and the switch that trades it back
+            (`kmp.rules.set_cpu_convolutions`); where its output is a float32
+            softmax layer of its own on the 16-bit logits of a layer with
+            fewer inputs than classes, which the step then keeps beside their
+            float32 copy, that sentence with what keeps only the float32
+            ones; `''` elsewhere.
     """
 
     model_name: str
@@ -566,38 +566,42 @@ def _cpu_convolutions_note(decisions) -> str:
     moved = [d for d in decisions if d.rule == planning.CPU_CONVOLUTIONS]
     if not moved:
         return ""
-    per_sample = _output_values(d.layer for d in moved)
+    counted = _counted([d.path for d in moved], "convolution")
+    verb = "computes" if len(moved) == 1 else "compute"
+    per_sample = _input_values(d.layer for d in moved)
     size = (
-        f" ({per_sample:,} float32 values per sample, {2 * per_sample:,} bytes "
-        "more than float16's)"
+        f": {per_sample:,} values per sample, {2 * per_sample:,} bytes more "
+        "than in float16"
         if per_sample
         else ""
     )
     return (
-        f"Memory: {_counted([d.path for d in moved], 'convolution')} compute "
-        "in float32 under float16 on this machine, which has no GPU (kmp's "
-        "speed rule: float16 convolutions are slow on CPUs), so the outputs "
-        f"the backward pass keeps take twice float16's memory{size}. For "
-        "memory over speed: kmp.set_layer_policy('class:*Conv*', "
-        "'mixed_float16'), or the 'mixed_bfloat16' policy, which computes "
-        "convolutions in 16 bits on CPUs."
+        f"Memory: {counted} {verb} in float32 under float16 on this machine, "
+        "which has no GPU (kmp's speed rule: float16 convolutions are slow on "
+        "CPUs). Their kernels' gradients read their inputs in float32, kept "
+        f"from the forward pass{size} (and an activation's output where one "
+        "needs it). kmp.rules.set_cpu_convolutions('memory') computes them in "
+        "float16, as Keras does, for a much slower step; the 'mixed_bfloat16' "
+        "policy computes convolutions in 16 bits on CPUs."
     )
 
 
-def _output_values(layers) -> int:
-    """The values per sample the layers' outputs hold, summed; 0 where a
-    layer's output (called once, in a functional graph) or its shape is not
-    known."""
+def _input_values(layers) -> int:
+    """The values per sample the layers' inputs hold, over every call of
+    each in a functional graph; 0 where a layer has no recorded call or an
+    input's shape is not known."""
     total = 0
     for layer in layers:
-        try:
-            shape = layer.output.shape[1:]
-        except (AttributeError, ValueError):
+        nodes = keras_private.inbound_nodes(layer)
+        if not nodes:
             return 0
-        if any(size is None for size in shape):
-            return 0
-        count = 1
-        for size in shape:
-            count *= size
-        total += count
+        for node in nodes:
+            for tensor in node.input_tensors:
+                shape = tensor.shape[1:]
+                if any(size is None for size in shape):
+                    return 0
+                count = 1
+                for size in shape:
+                    count *= size
+                total += count
     return total

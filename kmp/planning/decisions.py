@@ -25,6 +25,7 @@ from kmp.planning.applied import base_policy
 from kmp.planning.applied import model_bases
 from kmp.planning.applied import refused_outputs
 from kmp.precision import attention
+from kmp.precision import convolutions
 from kmp.precision import kinds
 from kmp.precision import policy as policy_lib
 from kmp.precision import quantization
@@ -499,7 +500,11 @@ def _default(site, kind, inherited, base, model_weights, top):
     what = kind[0]
     action = what.action
     if action == kinds.CPU_FLOAT16:
-        if inherited.compute_dtype != "float16" or not _float16_convolutions_are_slow():
+        if (
+            inherited.compute_dtype != "float16"
+            or not _float16_convolutions_are_slow()
+            or convolutions.cpu_convolutions() == "memory"
+        ):
             return plain
         action = kinds.ISLAND
     if action == kinds.ISLAND:

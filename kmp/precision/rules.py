@@ -84,7 +84,8 @@ accuracy for users who want it.
 
 One speed rule: under float16 on a machine with no GPU or TPU, convolutions
 compute in float32 where their consumers cast (TensorFlow's float16 CPU
-convolutions are slow both with and without native float16 math).
+convolutions are slow both with and without native float16 math), which
+`kmp.rules.set_cpu_convolutions("memory")` turns off.
 """
 
 from __future__ import annotations
