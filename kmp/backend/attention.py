@@ -18,13 +18,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-SIXTEEN_BIT = (tf.float16, tf.bfloat16)
-
-
-def _large_negative(dtype: tf.DType) -> tf.Tensor:
-    # What Keras's masking adds to a masked logit, in the logits' dtype.
-    largest = 65500.0 if dtype == tf.float16 else 3.38953e38
-    return tf.constant(-0.7 * largest, dtype)
+# What Keras's masking puts in place of a masked float32 logit.
+_MASKED_LOGIT = -0.7 * 3.38953e38
 
 
 def dot_product_attention(
@@ -76,7 +71,7 @@ def _softmax(logits: tf.Tensor, mask: tf.Tensor | None, scale: float) -> tf.Tens
     def probabilities(logits):
         wide = tf.cast(tf.stop_gradient(logits), tf.float32) * scale
         if mask is not None:
-            wide = tf.where(mask, wide, _large_negative(tf.float32))
+            wide = tf.where(mask, wide, tf.constant(_MASKED_LOGIT, tf.float32))
         result = tf.cast(tf.nn.softmax(wide, axis=-1), logits.dtype)
 
         def gradient(d_result):

@@ -4,6 +4,7 @@ what computes in float32 inside it, and the rule that decided it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from collections.abc import Iterator
 
@@ -518,7 +519,7 @@ def _memory_note(decisions) -> str:
     if not copies:
         return ""
     return (
-        f"Memory: {_layers_that_keep(copies, 'normalization')} a float32 copy "
+        f"Memory: {_layers_that(copies, 'normalization', 'keep')} a float32 copy "
         "of the 16-bit input for the backward pass, twice "
         "the memory of the input itself. kmp.layers.lean_normalization(model) "
         "(before compiling a Keras Sequential or Functional model), or "
@@ -534,7 +535,7 @@ def _attention_note(decisions) -> str:
     if not copies:
         return ""
     return (
-        f"Memory: {_layers_that_keep(copies, 'attention')} a float32 copy of "
+        f"Memory: {_layers_that(copies, 'attention', 'keep')} a float32 copy of "
         "the 16-bit attention probabilities ([batch, heads, queries, keys]) "
         "for the backward pass beside the 16-bit ones, three times the memory "
         "of the 16-bit ones alone. kmp.layers.lean(model) puts "
@@ -547,17 +548,14 @@ def _attention_note(decisions) -> str:
     )
 
 
-def _layers_that_keep(paths: list[str], kind: str) -> str:
-    """`"2 attention layers ('a', 'b') keep"`."""
-    return f"{_counted(paths, kind)} {'keeps' if len(paths) == 1 else 'keep'}"
-
-
-def _counted(paths: list[str], kind: str) -> str:
-    """`"2 attention layers ('a', 'b')"`: the first three named."""
+def _layers_that(paths: list[str], kind: str, verb: str) -> str:
+    """`"2 attention layers ('a', 'b') keep"` (`verb` 'keep'), `"1 attention
+    layer ('a') keeps"`: the first three named."""
     named = ", ".join(repr(path) for path in paths[:3])
     more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-    layers = "layer" if len(paths) == 1 else "layers"
-    return f"{len(paths)} {kind} {layers} ({named}{more})"
+    if len(paths) == 1:
+        return f"1 {kind} layer ({named}) {verb}s"
+    return f"{len(paths)} {kind} layers ({named}{more}) {verb}"
 
 
 def _cpu_convolutions_note(decisions) -> str:
@@ -566,8 +564,7 @@ def _cpu_convolutions_note(decisions) -> str:
     moved = [d for d in decisions if d.rule == planning.CPU_CONVOLUTIONS]
     if not moved:
         return ""
-    counted = _counted([d.path for d in moved], "convolution")
-    verb = "computes" if len(moved) == 1 else "compute"
+    compute = _layers_that([d.path for d in moved], "convolution", "compute")
     per_sample = _input_values(d.layer for d in moved)
     size = (
         f": {per_sample:,} values per sample, {2 * per_sample:,} bytes more "
@@ -576,7 +573,7 @@ def _cpu_convolutions_note(decisions) -> str:
         else ""
     )
     return (
-        f"Memory: {counted} {verb} in float32 under float16 on this machine, "
+        f"Memory: {compute} in float32 under float16 on this machine, "
         "which has no GPU (kmp's speed rule: float16 convolutions are slow on "
         "CPUs). Their kernels' gradients read their inputs in float32, kept "
         f"from the forward pass{size} (and an activation's output where one "
@@ -600,8 +597,5 @@ def _input_values(layers) -> int:
                 shape = tensor.shape[1:]
                 if any(size is None for size in shape):
                     return 0
-                count = 1
-                for size in shape:
-                    count *= size
-                total += count
+                total += math.prod(shape)
     return total

@@ -31,6 +31,12 @@ def _check(obj: Any, name: str, consequence: str) -> None:
         raise changed("Keras", keras.__version__, f"`{name}`", consequence)
 
 
+def _flag(obj: Any, name: str, consequence: str) -> bool:
+    """`obj`'s private attribute `name`, as a bool, once `_check`ed."""
+    _check(obj, name, consequence)
+    return bool(getattr(obj, name))
+
+
 @functools.cache
 def _probe_model() -> keras.Model:
     # A functional model of one weightless layer, built once: what every
@@ -56,12 +62,9 @@ def converts_input_args(layer: keras.layers.Layer) -> bool:
     """Whether Keras casts `layer`'s floating-point input arguments to its
     compute dtype (`Layer._convert_input_args`; False for layers that take
     their inputs as they come)."""
-    _check(
-        layer,
-        "_convert_input_args",
-        "kmp cannot tell whether a layer casts its inputs",
+    return _flag(
+        layer, "_convert_input_args", "kmp cannot tell whether a layer casts its inputs"
     )
-    return bool(layer._convert_input_args)
 
 
 def graph_nodes(model: keras.layers.Layer) -> dict | None:
@@ -138,24 +141,22 @@ def flash_attention(layer: keras.layers.MultiHeadAttention) -> bool:
     """Whether an attention layer was asked for flash attention
     (`MultiHeadAttention._flash_attention`: its `flash_attention` argument,
     or Keras's global switch when that is None)."""
-    _check(
+    return _flag(
         layer,
         "_flash_attention",
         "kmp cannot tell whether an attention layer uses flash attention",
     )
-    return bool(layer._flash_attention)
 
 
 def returns_attention_scores(layer: keras.layers.GroupQueryAttention) -> bool:
     """Whether a `GroupQueryAttention` layer's current call returns its
     scores (`GroupQueryAttention._return_attention_scores`, which its `call`
     sets for `_compute_attention` to read)."""
-    _check(
+    return _flag(
         layer,
         "_return_attention_scores",
         "kmp cannot tell whether an attention layer returns its scores",
     )
-    return bool(layer._return_attention_scores)
 
 
 def optimizer_variables(optimizer: keras.optimizers.Optimizer) -> list:

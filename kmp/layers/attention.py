@@ -4,6 +4,8 @@ Keras's attention layers keep the float32 copy they avoid."""
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -20,7 +22,6 @@ def lean_attention(
     value,
     attention_mask,
     keras_path: bool,
-    scale: float,
 ):
     """The output of a Keras attention layer's attention computed by
     `kmp.backend.attention.dot_product_attention`, or None where Keras's own
@@ -35,11 +36,13 @@ def lean_attention(
         attention_mask: Keras's boolean mask, `[batch or 1, queries, keys]`
             or `[batch or 1, heads or 1, queries, keys]`, or None.
         keras_path: Whether Keras's own code must compute it.
-        scale: What the logits are multiplied by.
+
+    The logits are scaled by one over the square root of the projections'
+    depth, as Keras's layers scale them (`key_dim`, `head_dim`).
     """
     dtype = keras.backend.result_type(query.dtype, key.dtype, value.dtype)
     if (
-        dtype not in ("float16", "bfloat16")
+        dtype not in policy_lib.SIXTEEN_BIT
         or keras_path
         or layer.dropout > 0.0
         or len(query.shape) != 4
@@ -52,6 +55,7 @@ def lean_attention(
             # [batch or 1, queries, keys] -> [batch or 1, 1, queries, keys]
             attention_mask = tf.expand_dims(attention_mask, -3)
     query, key, value = (tf.cast(t, dtype) for t in (query, key, value))
+    scale = 1.0 / math.sqrt(float(query.shape[-1]))
     return attention.dot_product_attention(query, key, value, attention_mask, scale)
 
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import keras
 
 from kmp.internals import keras_private
@@ -56,7 +54,6 @@ class GroupQueryAttention(keras.layers.GroupQueryAttention):
             value,
             attention_mask,
             use_causal_mask or keras_private.returns_attention_scores(self),
-            1.0 / math.sqrt(float(self.head_dim)),
         )
         if output is None:
             return super()._compute_attention(

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import keras
 
 from kmp.layers.attention import lean_attention
@@ -65,7 +63,6 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             value,
             attention_mask,
             use_causal_mask or return_attention_scores,
-            1.0 / math.sqrt(float(self.key_dim)),
         )
         if output is None:
             return super()._compute_attention(

@@ -301,13 +301,11 @@ def kind_of(layer: keras.layers.Layer) -> tuple[LayerKind, str] | None:
     return None
 
 
-# Attention classes whose own code computes what Keras's attention code
-# computes from the same sublayers' outputs, most derived first: Keras's, and
-# kmp's (`kmp.layers`), which register themselves.
-_ATTENTION_CODE: list[type] = [
-    keras.layers.GroupQueryAttention,
-    keras.layers.MultiHeadAttention,
-]
+# Keras's attention classes, and the subclasses whose own code computes
+# what Keras's computes from the same sublayers' outputs (kmp's, in
+# `kmp.layers`, register themselves), most derived first.
+_KERAS_ATTENTION = (keras.layers.GroupQueryAttention, keras.layers.MultiHeadAttention)
+_registered_attention: list[type] = []
 
 
 def register_attention_code(cls: type) -> None:
@@ -316,22 +314,22 @@ def register_attention_code(cls: type) -> None:
     same sublayers' outputs, so that kmp's attention rules treat them as
     Keras's own; a subclass of `cls` that overrides its attention methods
     runs its own code."""
-    if cls not in _ATTENTION_CODE:
-        _ATTENTION_CODE.insert(0, cls)
+    if cls not in _registered_attention:
+        _registered_attention.insert(0, cls)
 
 
 def registered_attention_code() -> list[type]:
     """The attention classes registered with `register_attention_code`
     (kmp's own), most derived first."""
-    keras_own = (keras.layers.GroupQueryAttention, keras.layers.MultiHeadAttention)
-    return [cls for cls in _ATTENTION_CODE if cls not in keras_own]
+    return list(_registered_attention)
 
 
 def keeps_keras_attention_code(layer: keras.layers.Layer) -> bool:
     """True when `layer` runs Keras's own attention code (or code registered
     as computing what it computes), which consumes its sublayers' outputs
     with `keras.ops` only (a subclass that overrides it may not)."""
-    base = next((cls for cls in _ATTENTION_CODE if isinstance(layer, cls)), None)
+    bases = (*_registered_attention, *_KERAS_ATTENTION)
+    base = next((cls for cls in bases if isinstance(layer, cls)), None)
     return base is not None and keras_private.runs_attention_code_of(layer, base)
 
 
