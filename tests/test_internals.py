@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from kmp.internals import autograph
 from kmp.internals import changed
 from kmp.internals import keras_hub_names
 from kmp.internals import keras_private
@@ -148,3 +149,31 @@ def test_what_kmp_reads_of_tensorflow_is_there():
     assert tensorflow_private.op_determinism_enabled() is False
     # The default strategy applies its updates in replica context.
     assert tensorflow_private.strategy_supports_no_merge_call() is True
+
+
+def test_autographs_source_map_names_the_users_line_of_converted_code():
+    import inspect
+    import sys
+
+    frames = []
+
+    @tf.autograph.experimental.do_not_convert
+    def probe():
+        frame = sys._getframe(1)
+        while frame is not None and not autograph.is_converted(frame):
+            frame = frame.f_back  # autograph's own frames
+        frames.append((frame.f_code.co_filename, autograph.origin(frame)))
+
+    @tf.function
+    def converted():
+        probe()
+
+    converted()
+    ((filename, origin),) = frames  # read while the frame runs
+    assert filename != __file__  # the converted copy's temporary file
+    lines, first = inspect.getsourcelines(converted.python_function)
+    line = first + next(i for i, text in enumerate(lines) if "probe()" in text)
+    assert origin == (__file__, line)
+    # A frame of code that autograph did not convert: no origin.
+    assert not autograph.is_converted(sys._getframe())
+    assert autograph.origin(sys._getframe()) is None

@@ -472,6 +472,50 @@ def test_a_traced_custom_train_step_that_never_scales_gets_right_sized_updates()
     np.testing.assert_allclose(model.get_weights(), reference.get_weights(), rtol=1e-3)
 
 
+def _loop_that_never_scales():
+    """A custom loop in a `tf.function` (autograph converts it) that applies
+    the gradients of a loss it never scaled; returns the line of its apply
+    and the function."""
+    opt, w = setup()
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_of(w)
+        opt.apply(tape.gradient(loss, [w]), [w])
+
+    import inspect
+
+    lines, first = inspect.getsourcelines(step)
+    line = first + next(i for i, text in enumerate(lines) if "opt.apply" in text)
+    return step, line
+
+
+def test_a_warning_in_a_tf_function_loop_names_the_users_line():
+    # Not autograph's converted copy in a temporary file.
+    step, apply_line = _loop_that_never_scales()
+    with pytest.warns(UserWarning, match="never scaled") as caught:
+        step()
+    (warning,) = [w for w in caught if "never scaled" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, apply_line)
+
+
+def test_without_autographs_source_map_a_warning_names_the_users_call(monkeypatch):
+    # Where TensorFlow no longer keeps what kmp reads, the warning still
+    # names the user's file: the line that calls their tf.function.
+    import inspect
+
+    from kmp.internals import autograph
+
+    monkeypatch.setattr(autograph, "origin", lambda frame: None)
+    step, _ = _loop_that_never_scales()
+    with pytest.warns(UserWarning, match="never scaled") as caught:
+        call_line = inspect.currentframe().f_lineno + 1
+        step()
+    (warning,) = [w for w in caught if "never scaled" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, call_line)
+
+
 def test_a_custom_train_step_run_eagerly_that_never_scales_is_refused():
     # Eagerly there is no trace to read: kmp cannot tell these gradients from
     # those of a scaled loss (Keras's own wrapper divides them by the scale),

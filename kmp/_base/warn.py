@@ -1,11 +1,15 @@
 """Warnings at the user's line: the first caller outside kmp (their
-train_step or loop, or Keras's trainer inside `fit`), not kmp's own file."""
+train_step or loop, or Keras's trainer inside `fit`), not kmp's own file;
+inside a `tf.function`, the line of the user's source that autograph's
+converted copy runs, not the copy's temporary file."""
 
 from __future__ import annotations
 
 import os
 import sys
 import warnings
+
+from kmp.internals import autograph
 
 # kmp's package directory (this file is in kmp/_base/).
 _KMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,13 +38,31 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     if frame is None:  # called from kmp with no user code above (an import)
         warnings.warn(message, category, stacklevel=2)
         return
+    where = (frame.f_code.co_filename, frame.f_lineno)
+    if autograph.is_converted(frame):
+        where = autograph.origin(frame) or _caller_of_the_function(frame)
     module_globals = frame.f_globals
     warnings.warn_explicit(
         message,
         category,
-        frame.f_code.co_filename,
-        frame.f_lineno,
+        *where,
         module=module_globals.get("__name__", "<string>"),
         registry=module_globals.setdefault("__warningregistry__", {}),
         module_globals=module_globals,
     )
+
+
+def _caller_of_the_function(frame) -> tuple[str, int]:
+    """Where autograph's source map cannot be read: the first frame above
+    `frame` outside kmp, TensorFlow and converted code (the user's call of
+    their `tf.function`), else `frame`'s own place."""
+    caller = frame.f_back
+    while caller is not None and (
+        _inside_kmp(caller)
+        or autograph.is_converted(caller)
+        or caller.f_globals.get("__name__", "").startswith("tensorflow.")
+    ):
+        caller = caller.f_back
+    if caller is None:
+        return frame.f_code.co_filename, frame.f_lineno
+    return caller.f_code.co_filename, caller.f_lineno

@@ -338,7 +338,9 @@ NEVER_SCALED_WARNING = (
     "never scaled (a custom train_step or loop that does not call scale_loss; "
     "kmp read it from the traced step: no loss was scaled, and a backward "
     "pass there computed the gradients without meeting the loss scale). kmp "
-    "applies them as they are, but float16 gradients may underflow without "
+    "applies them as they are; float16 gradients may underflow without "
     "scaling. Scale the loss before taking gradients: "
-    "loss = self.optimizer.scale_loss(loss)"
+    "loss = optimizer.scale_loss(loss) (self.optimizer in a train_step). "
+    "Where no layer computes in float16 (bfloat16, float32), build the "
+    "optimizer with mode='none': it then scales nothing."
 )
