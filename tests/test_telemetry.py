@@ -1,3 +1,5 @@
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -257,3 +259,96 @@ def test_the_graph_check_sees_keras_own_wrapper_update_its_scale_when_traced():
     train()
     evaluate()
     assert seen == {"train": True, "outer train": True, "evaluate": False}
+
+
+class TwoOptimizerModel(keras.Model):
+    """A model whose own compile takes its optimizers, and whose train_step
+    applies them (keras-io's DCGAN, reduced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        self.g = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def train_step(self, x):
+        import tensorflow as tf
+
+        for optimizer, net, loss_of in (
+            (self.d_optimizer, self.d, lambda: self.d(x)),
+            (self.g_optimizer, self.g, lambda: self.d(self.g(x))),
+        ):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(loss_of()))
+                scaled = optimizer.scale_loss(loss)
+            weights = net.trainable_weights
+            optimizer.apply(tape.gradient(scaled, weights), weights)
+        return {"loss": loss}
+
+
+def _compiled_by_hand():
+    """The README's path for a model compiled without kmp.compile."""
+    kmp.set_policy("mixed_float16")
+    model = kmp.prepare(TwoOptimizerModel())
+    model.compile(
+        d_optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD()),
+        g_optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD()),
+    )
+    return model
+
+
+def test_attach_reports_the_optimizers_a_models_own_compile_takes(caplog):
+    model = _compiled_by_hand()
+    kmp.telemetry.attach(
+        model, optimizers={"d": model.d_optimizer, "g": model.g_optimizer}
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            np.ones((8, 4), "float32"),
+            epochs=2,
+            batch_size=4,
+            verbose=0,
+            callbacks=[kmp.callbacks.LossScaleMonitor()],
+        )
+    assert not [w for w in caught if "kmp's telemetry" in str(w.message)]
+    for label in ("d", "g"):
+        assert history.history[f"{label}_loss_scale"] == [32768.0, 32768.0]
+        assert history.history[f"{label}_skipped_steps_total"] == [0.0, 0.0]
+    # Not taken for a model trained with Keras's own wrapper.
+    assert "compiled with model.compile" not in caplog.text
+
+
+def test_a_kmp_optimizer_the_telemetry_does_not_report_is_warned_about():
+    # model.optimizer is the default super().compile() made, never used.
+    model = _compiled_by_hand()
+    kmp.telemetry.attach(model)
+    with pytest.warns(UserWarning, match=r"attach\(model, optimizers=") as caught:
+        history = model.fit(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
+    said = [str(w.message) for w in caught if "kmp's telemetry" in str(w.message)]
+    assert len(said) == 1
+    assert "applied 2 kmp.LossScaleOptimizer(s)" in said[0]
+    assert "optimizer: Keras's own LossScaleOptimizer around RMSprop" in said[0]
+    assert "loss_scale" not in history.history  # what the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first step only
+        model.fit(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "optimizers, said",
+    [
+        ([keras.optimizers.SGD()], "non-empty dict"),
+        ({}, "non-empty dict"),
+        ({"d": "sgd"}, "Received 'd': 'sgd' \\(of type str\\)"),
+    ],
+)
+def test_attach_refuses_optimizers_that_are_not_named_keras_optimizers(
+    optimizers, said
+):
+    model = _compiled_by_hand()
+    with pytest.raises(TypeError, match=said):
+        kmp.telemetry.attach(model, optimizers=optimizers)

@@ -44,7 +44,7 @@ def compiled_without_kmp(model: Any) -> bool:
     return opt is not None
 
 
-def _trains_with(opt: Any) -> str:
+def _optimizer_is(opt: Any) -> str:
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         inner = type(opt.inner_optimizer).__name__
         return (
@@ -78,12 +78,14 @@ def note_compiled_without_kmp(model: Any, tool: str) -> bool:
         return True
     _noted.add(model)
     logger.warning(
-        "%s: model %r was compiled with model.compile, not kmp.compile: it trains "
-        "with %s, and kmp's optimizer and telemetry (loss scale and skipped steps "
-        "in the logs) are not attached. kmp.compile(model, ...) takes the same "
-        "arguments and gives it kmp's precision rules and optimizer.",
+        "%s: model %r was compiled with model.compile, not kmp.compile: its "
+        "optimizer (model.optimizer) is %s, and kmp's telemetry (loss scale and "
+        "skipped steps in the logs) is not attached. kmp.compile(model, ...) "
+        "takes the same arguments and gives it kmp's precision rules and "
+        "optimizer. A model whose own compile takes kmp.LossScaleOptimizers: "
+        "name them with kmp.telemetry.attach(model, optimizers={...}).",
         tool,
         getattr(model, "name", type(model).__name__),
-        _trains_with(model.optimizer),
+        _optimizer_is(model.optimizer),
     )
     return True

@@ -14,8 +14,10 @@ tf.keras 2's contract lives in `kmp.mixed_precision`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -46,6 +48,23 @@ _INNER_ONLY_ARGS = (
     "gradient_accumulation_steps",
 )
 _DEFAULT = ls_config.LossScaleConfig()
+
+# The lists `applies_recorded` has open: each collects the loss-scale
+# optimizers whose `apply` runs (traced or eagerly) while it is open.
+_recording: list[list] = []
+
+
+@contextlib.contextmanager
+def applies_recorded() -> Iterator[list]:
+    """Collects, in the list it yields, every `LossScaleOptimizer` whose
+    `apply` runs (traced or eagerly) inside the block, once each: kmp's
+    train function reads which ones a model's first step applied."""
+    applied: list = []
+    _recording.append(applied)
+    try:
+        yield applied
+    finally:
+        _recording.remove(applied)
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -539,6 +558,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if "adapters" not in self._warned:
             self._warned.add("adapters")
             lora.warn_dead_adapters(variables)
+        for applied in _recording:
+            if not any(o is self for o in applied):
+                applied.append(self)
         grads = self._as_unscaled(grads, variables, scaled)
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.

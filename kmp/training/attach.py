@@ -5,11 +5,14 @@ train function set)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import keras
 
 from kmp.internals import keras_private
 from kmp.precision import traversal
+from kmp.scaling import registry
 from kmp.scaling.telemetry import LossScaleTelemetry
 from kmp.scaling.telemetry import metric_in_metrics
 from kmp.scaling.telemetry import step_logs
@@ -34,7 +37,12 @@ def _track(model: keras.Model, metric: LossScaleTelemetry) -> None:
         model.kmp_loss_scale_telemetry = metric
 
 
-def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
+def attach(
+    model: keras.Model,
+    complete_plan: bool = False,
+    *,
+    optimizers: Mapping[str, Any] | None = None,
+) -> keras.Model:
     """Makes `fit` log the loss scale and skipped steps of `model`'s
     loss-scaling optimizers (kmp's, or Keras's own wrapper's scale).
     Idempotent; `kmp.compile` calls it. Works before or after training and
@@ -43,10 +51,23 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     returns its own dict, and a model whose state Keras has locked, get them
     from kmp's train function (`kmp.training.train_function`), which `attach` sets.
 
+    The optimizers reported are the last named (by `kmp.compile`, which
+    names the ones it wrapped, or as `optimizers` here), else
+    `model.optimizer`. A model whose own `compile` takes optimizers (a GAN's
+    `d_optimizer` and `g_optimizer`), compiled without `kmp.compile`, trains
+    with optimizers kmp cannot find: name them in `optimizers`. Where the
+    first training step applies a `kmp.LossScaleOptimizer` that is not among
+    those reported, kmp warns.
+
     Args:
         model: A compiled Keras model.
         complete_plan: For `kmp.compile`: the train function applies kmp's
             precision plan again once `fit` has built the model.
+        optimizers: The optimizers `model` trains with, by the label that
+            prefixes their logs where there are several (`{"d_optimizer":
+            model.d_optimizer, "g_optimizer": model.g_optimizer}` logs
+            `d_optimizer_loss_scale`, ...); they replace those reported
+            before.
 
     Example:
 
@@ -59,6 +80,14 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
     >>> sorted(k for k in history.history if "skip" in k or "scale" in k)
     ['loss_scale', 'skipped_steps', 'skipped_steps_total']
     """
+    changed = False
+    if optimizers is not None:
+        given = _checked(optimizers)
+        before = registry.optimizers_of(model)
+        changed = given.keys() != before.keys() or any(
+            given[label] is not before[label] for label in given
+        )
+        registry.register(model, given)
     refused = _add_metric(model)
     if refused:
         logger.debug(
@@ -68,7 +97,30 @@ def attach(model: keras.Model, complete_plan: bool = False) -> keras.Model:
             refused,
         )
     train_function.install(model, complete_plan, step_logs, metric_in_metrics)
+    if changed:  # a step traced before reports the optimizers it read then
+        train_function.retrace(model)
     return model
+
+
+def _checked(optimizers: Any) -> dict[str, Any]:
+    """`optimizers` as a dict of labels to Keras optimizers, or an error."""
+    if not isinstance(optimizers, Mapping) or not optimizers:
+        raise TypeError(
+            "optimizers must be a non-empty dict of labels to the optimizers "
+            "the model trains with, such as {'d_optimizer': model.d_optimizer, "
+            f"'g_optimizer': model.g_optimizer}}. Received: {optimizers!r}."
+        )
+    for label, optimizer in optimizers.items():
+        if not isinstance(label, str) or not isinstance(
+            optimizer, keras.optimizers.Optimizer
+        ):
+            raise TypeError(
+                "optimizers maps each label (a str) to a Keras optimizer (a "
+                "kmp.LossScaleOptimizer, or any keras.optimizers.Optimizer). "
+                f"Received {label!r}: {optimizer!r} (of type "
+                f"{type(optimizer).__name__})."
+            )
+    return dict(optimizers)
 
 
 def _add_metric(model: keras.Model) -> str:

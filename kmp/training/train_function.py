@@ -18,7 +18,11 @@ there is none). At its first call, inside `fit`:
   optimizer update, it compiles that update before the step
   (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's compiler then
   works before the step's activations exist, not beside them);
-* it has Keras make its own train function, and calls it from then on.
+* it has Keras make its own train function, and calls it from then on;
+* after that first step, it warns where the step applied a
+  `kmp.LossScaleOptimizer` that kmp's telemetry does not report for the
+  model (a model whose own `compile` took it, compiled without
+  `kmp.compile` and attached without naming it).
 
 After each call from `fit`, where the step's logs lack kmp's telemetry (a
 `train_step` that returns its own dict, or a model whose state Keras locked
@@ -44,7 +48,9 @@ import tensorflow as tf
 from kmp._base import warn as _warn
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
+from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import applies_recorded
 
 # (model, per_epoch) -> the telemetry logs read after a step; (model) ->
 # whether the per-epoch count can be reported. `kmp.telemetry` provides them.
@@ -90,18 +96,9 @@ class TrainFunction:
             # A watch of the forward pass that its fit did not end.
             self.retrace()
         if self._inner is None:
-            if self._complete_plan and not plan_apply.ready(model):
-                _build(model, iterator)
-            if self._complete_plan and plan_apply.ready(model):
-                self._complete_plan = False
-                plan_apply.complete(model)
-            _compile_update_ahead(model)
-            self._inner = self._keras_function(model)
-            if self._undo is not None:
-                # A change made before the first step, with its undo.
-                logs = self._changed_step(model, iterator)
-            else:
-                logs = self._first_step(model, iterator)
+            with applies_recorded() as applied:
+                logs = self._first_call(model, iterator)
+            _warn_of_unreported(model, applied)
         elif self._undo is not None:
             logs = self._changed_step(model, iterator)
         else:
@@ -123,6 +120,21 @@ class TrainFunction:
             return logs
         extra = self._logs(model, self._per_epoch)
         return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+
+    def _first_call(self, model: keras.Model, iterator: Any) -> Any:
+        """What only the first call does before its step (see the module
+        docstring), then that step."""
+        if self._complete_plan and not plan_apply.ready(model):
+            _build(model, iterator)
+        if self._complete_plan and plan_apply.ready(model):
+            self._complete_plan = False
+            plan_apply.complete(model)
+        _compile_update_ahead(model)
+        self._inner = self._keras_function(model)
+        if self._undo is not None:
+            # A change made before the first step, with its undo.
+            return self._changed_step(model, iterator)
+        return self._first_step(model, iterator)
 
     def _first_step(self, model: keras.Model, iterator: Any) -> Any:
         """The first step. Where its trace fails on mixed float dtypes and
@@ -249,6 +261,38 @@ def _compile_update_ahead(model: keras.Model) -> None:
         and plan_apply.all_built(model)
     ):
         optimizer.compile_update_ahead(model.trainable_variables)
+
+
+def _warn_of_unreported(model: keras.Model, applied: list) -> None:
+    """Warns where the model's first step applied a `kmp.LossScaleOptimizer`
+    that kmp's telemetry does not report for it (a model whose own compile
+    took it, compiled without `kmp.compile`): its loss scale and skipped
+    steps would be missing from the logs."""
+    reported = registry.optimizers_of(model)
+    missed = [o for o in applied if not any(o is r for r in reported.values())]
+    if not missed:
+        return
+    reads = ", ".join(
+        f"{label}: {_kind(optimizer)}" for label, optimizer in reported.items()
+    )
+    _warn.warn(
+        f"The train step of model {model.name!r} applied {len(missed)} "
+        "kmp.LossScaleOptimizer(s) that kmp's telemetry does not report (it "
+        f"reads {reads or 'no optimizer'}): their loss scale and skipped "
+        "steps will not be in the logs. For a model whose own compile takes "
+        "optimizers, compile it with kmp.compile(model, ...), which finds "
+        "them among the arguments, or name them: kmp.telemetry.attach(model, "
+        "optimizers={'d_optimizer': model.d_optimizer, ...})."
+    )
+
+
+def _kind(optimizer: Any) -> str:
+    if isinstance(optimizer, LossScaleOptimizer):
+        return "a kmp.LossScaleOptimizer"
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        inner = type(optimizer.inner_optimizer).__name__
+        return f"Keras's own LossScaleOptimizer around {inner}"
+    return type(optimizer).__name__
 
 
 def _from_fit(iterator: Any) -> bool:
