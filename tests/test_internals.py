@@ -155,25 +155,35 @@ def test_autographs_source_map_names_the_users_line_of_converted_code():
     import inspect
     import sys
 
-    frames = []
+    origins = []
 
     @tf.autograph.experimental.do_not_convert
     def probe():
         frame = sys._getframe(1)
         while frame is not None and not autograph.is_converted(frame):
             frame = frame.f_back  # autograph's own frames
-        frames.append((frame.f_code.co_filename, autograph.origin(frame)))
+        # Read while the frame runs, in the converted copy's temporary file.
+        assert frame.f_code.co_filename != __file__
+        origins.append(autograph.origin(frame))
 
     @tf.function
-    def converted():
-        probe()
+    def converted(n):
+        probe()  # straight-line code
+        for _ in tf.range(n):
+            probe()  # a loop's body: a function of its own
+        if n > 0:
+            probe()  # a branch
 
-    converted()
-    ((filename, origin),) = frames  # read while the frame runs
-    assert filename != __file__  # the converted copy's temporary file
+        def nested():
+            probe()
+
+        nested()
+        (lambda: probe())()
+
+    converted(tf.constant(1))
     lines, first = inspect.getsourcelines(converted.python_function)
-    line = first + next(i for i, text in enumerate(lines) if "probe()" in text)
-    assert origin == (__file__, line)
+    probed = [first + i for i, text in enumerate(lines) if "probe()" in text]
+    assert origins == [(__file__, line) for line in probed]
     # A frame of code that autograph did not convert: no origin.
     assert not autograph.is_converted(sys._getframe())
     assert autograph.origin(sys._getframe()) is None

@@ -289,9 +289,9 @@ class TwoOptimizerModel(keras.Model):
         return {"loss": loss}
 
 
-def _compiled_by_hand():
+def _compiled_by_hand(policy="mixed_float16"):
     """The README's path for a model compiled without kmp.compile."""
-    kmp.set_policy("mixed_float16")
+    kmp.set_policy(policy)
     model = kmp.prepare(TwoOptimizerModel())
     model.compile(
         d_optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD()),
@@ -330,12 +330,55 @@ def test_a_kmp_optimizer_the_telemetry_does_not_report_is_warned_about():
         history = model.fit(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
     said = [str(w.message) for w in caught if "kmp's telemetry" in str(w.message)]
     assert len(said) == 1
-    assert "applied 2 kmp.LossScaleOptimizer(s)" in said[0]
-    assert "optimizer: Keras's own LossScaleOptimizer around RMSprop" in said[0]
+    applied = "a kmp.LossScaleOptimizer around SGD"
+    assert f"applied {applied}, {applied}, which" in said[0]
+    assert "reads optimizer: Keras's own LossScaleOptimizer around RMSprop" in said[0]
     assert "loss_scale" not in history.history  # what the warning says
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the first step only
         model.fit(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
+
+
+def test_optimizers_named_after_training_are_logged_and_checked_from_the_next_fit():
+    # Under bfloat16 model.optimizer is super().compile()'s bare RMSprop:
+    # the first fit has nothing to log for it.
+    model = _compiled_by_hand("mixed_bfloat16")
+    kmp.telemetry.attach(model)
+    x = np.ones((8, 4), "float32")
+    with pytest.warns(UserWarning, match="kmp's telemetry does not report"):
+        assert set(model.fit(x, batch_size=4, verbose=0).history) == {"loss"}
+    kmp.telemetry.attach(
+        model, optimizers={"d": model.d_optimizer, "g": model.g_optimizer}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both reported now: nothing to say
+        history = model.fit(x, batch_size=4, verbose=0)
+    assert history.history["d_loss_scale"] == [32768.0]
+    assert history.history["g_skipped_steps_total"] == [0.0]
+    # Named wrongly again: checked again at the next step.
+    kmp.telemetry.attach(model, optimizers={"d": model.d_optimizer})
+    with pytest.warns(UserWarning, match="kmp's telemetry does not report"):
+        model.fit(x, batch_size=4, verbose=0)
+
+
+def test_attach_refuses_the_optimizer_kmp_compile_wrapped_in_place_of_its_wrapper():
+    kmp.set_policy("mixed_float16")
+    model = TwoOptimizerModel()
+    d_optimizer = keras.optimizers.SGD()
+    kmp.compile(model, d_optimizer=d_optimizer, g_optimizer=keras.optimizers.SGD())
+    with pytest.raises(ValueError, match=r"Pass the wrapper \(as 'd_optimizer'"):
+        kmp.telemetry.attach(model, optimizers={"d_optimizer": d_optimizer})
+
+
+def test_applies_recorded_in_each_other_keep_their_own_lists():
+    from kmp.scaling.optimizer import applies_recorded
+
+    opt, w = kmp.LossScaleOptimizer(keras.optimizers.SGD()), keras.Variable([1.0])
+    with applies_recorded() as outer:
+        with applies_recorded() as inner:  # equal to outer: both empty
+            pass
+        opt.apply([keras.ops.ones((1,))], [w], scaled=False)
+    assert outer == [opt] and inner == []
 
 
 @pytest.mark.parametrize(
@@ -344,11 +387,12 @@ def test_a_kmp_optimizer_the_telemetry_does_not_report_is_warned_about():
         ([keras.optimizers.SGD()], "non-empty dict"),
         ({}, "non-empty dict"),
         ({"d": "sgd"}, "Received 'd': 'sgd' \\(of type str\\)"),
+        ({"d/1": keras.optimizers.SGD()}, "a Python identifier"),
     ],
 )
 def test_attach_refuses_optimizers_that_are_not_named_keras_optimizers(
     optimizers, said
 ):
     model = _compiled_by_hand()
-    with pytest.raises(TypeError, match=said):
+    with pytest.raises((TypeError, ValueError), match=said):
         kmp.telemetry.attach(model, optimizers=optimizers)

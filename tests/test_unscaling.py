@@ -480,9 +480,10 @@ def _loop_that_never_scales():
 
     @tf.function
     def step():
-        with tf.GradientTape() as tape:
-            loss = loss_of(w)
-        opt.apply(tape.gradient(loss, [w]), [w])
+        for _ in tf.range(1):  # a loop's body, as most loops apply in
+            with tf.GradientTape() as tape:
+                loss = loss_of(w)
+            opt.apply(tape.gradient(loss, [w]), [w])
 
     import inspect
 

@@ -55,7 +55,8 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 def _caller_of_the_function(frame) -> tuple[str, int]:
     """Where autograph's source map cannot be read: the first frame above
     `frame` outside kmp, TensorFlow and converted code (the user's call of
-    their `tf.function`), else `frame`'s own place."""
+    their `tf.function`), else (in a thread of TensorFlow's) `frame`'s own
+    place."""
     caller = frame.f_back
     while caller is not None and (
         _inside_kmp(caller)
@@ -63,6 +64,7 @@ def _caller_of_the_function(frame) -> tuple[str, int]:
         or caller.f_globals.get("__name__", "").startswith("tensorflow.")
     ):
         caller = caller.f_back
-    if caller is None:
+    # A replica's thread (tf.distribute) starts in `threading`: no user call.
+    if caller is None or caller.f_globals.get("__name__") == "threading":
         return frame.f_code.co_filename, frame.f_lineno
     return caller.f_code.co_filename, caller.f_lineno

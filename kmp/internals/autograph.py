@@ -8,7 +8,7 @@ would name the temporary file. autograph keeps a source map on the
 converted function (`ag_source_map`, which its own error messages read)
 and calls that function from `converted_call`, whose frame holds it as
 `converted_f`. Where either is missing, `origin` returns None and the
-caller names another user frame; `tests/test_unscaling.py` fails then.
+caller names another user frame; `tests/test_internals.py` fails then.
 
 Nothing here imports TensorFlow: it reads frames and attributes only.
 """
@@ -29,12 +29,25 @@ def is_converted(frame: FrameType) -> bool:
 
 def origin(frame: FrameType) -> tuple[str, int] | None:
     """The user's `(filename, line)` that the converted code running in
-    `frame` was made from, or None where it cannot be read."""
+    `frame` was made from, or None where it cannot be read.
+
+    The source map is the converted function's, which autograph called from
+    `converted_call`; it covers the whole temporary file, so the bodies of
+    loops and branches, nested functions and lambdas (functions autograph
+    calls from the converted one, in that file) are found through it too.
+    """
+    filename = frame.f_code.co_filename
     caller = frame.f_back
-    converted = caller.f_locals.get("converted_f") if caller is not None else None
-    if getattr(converted, "__code__", None) is not frame.f_code:
-        return None
-    source_map = getattr(converted, "ag_source_map", None)
+    while caller is not None:
+        converted = caller.f_locals.get("converted_f")
+        code = getattr(converted, "__code__", None)
+        if getattr(code, "co_filename", None) == filename:
+            return _mapped(getattr(converted, "ag_source_map", None), frame)
+        caller = caller.f_back
+    return None
+
+
+def _mapped(source_map: object, frame: FrameType) -> tuple[str, int] | None:
     if not isinstance(source_map, dict):
         return None
     # Its keys are (filename, line) named tuples, equal to plain tuples.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -49,22 +50,31 @@ _INNER_ONLY_ARGS = (
 )
 _DEFAULT = ls_config.LossScaleConfig()
 
-# The lists `applies_recorded` has open: each collects the loss-scale
-# optimizers whose `apply` runs (traced or eagerly) while it is open.
-_recording: list[list] = []
+# The lists `applies_recorded` has open in each thread: each collects the
+# loss-scale optimizers whose `apply` runs (traced or eagerly) in that
+# thread while it is open.
+_recording = threading.local()
 
 
 @contextlib.contextmanager
 def applies_recorded() -> Iterator[list]:
-    """Collects, in the list it yields, every `LossScaleOptimizer` whose
-    `apply` runs (traced or eagerly) inside the block, once each: kmp's
-    train function reads which ones a model's first step applied."""
+    """Collects every `LossScaleOptimizer` whose `apply` runs (traced or
+    eagerly) in this thread inside the block, once each: kmp's train
+    function reads which ones a model's first step applied. (A
+    `tf.distribute` strategy that runs its replicas in threads of its own
+    applies there: nothing is collected.)
+
+    Yields:
+        The list the optimizers are collected in.
+    """
     applied: list = []
-    _recording.append(applied)
+    stack = _recording.__dict__.setdefault("stack", [])
+    stack.append(applied)
     try:
         yield applied
     finally:
-        _recording.remove(applied)
+        # By identity: two lists that hold the same optimizers are equal.
+        del stack[next(i for i, a in enumerate(stack) if a is applied)]
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -558,7 +568,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if "adapters" not in self._warned:
             self._warned.add("adapters")
             lora.warn_dead_adapters(variables)
-        for applied in _recording:
+        for applied in getattr(_recording, "stack", ()):
             if not any(o is self for o in applied):
                 applied.append(self)
         grads = self._as_unscaled(grads, variables, scaled)

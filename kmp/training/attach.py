@@ -56,8 +56,8 @@ def attach(
     `model.optimizer`. A model whose own `compile` takes optimizers (a GAN's
     `d_optimizer` and `g_optimizer`), compiled without `kmp.compile`, trains
     with optimizers kmp cannot find: name them in `optimizers`. Where the
-    first training step applies a `kmp.LossScaleOptimizer` that is not among
-    those reported, kmp warns.
+    first training step (or the first after `optimizers` changed) applies a
+    `kmp.LossScaleOptimizer` that is not among those reported, kmp warns.
 
     Args:
         model: A compiled Keras model.
@@ -82,8 +82,8 @@ def attach(
     """
     changed = False
     if optimizers is not None:
-        given = _checked(optimizers)
         before = registry.optimizers_of(model)
+        given = _checked(optimizers, before)
         changed = given.keys() != before.keys() or any(
             given[label] is not before[label] for label in given
         )
@@ -98,12 +98,13 @@ def attach(
         )
     train_function.install(model, complete_plan, step_logs, metric_in_metrics)
     if changed:  # a step traced before reports the optimizers it read then
-        train_function.retrace(model)
+        train_function.optimizers_changed(model)
     return model
 
 
-def _checked(optimizers: Any) -> dict[str, Any]:
-    """`optimizers` as a dict of labels to Keras optimizers, or an error."""
+def _checked(optimizers: Any, before: dict[str, Any]) -> dict[str, Any]:
+    """`optimizers` as a dict of labels to Keras optimizers, or an error
+    (`before`: those reported now, for an optimizer kmp wrapped)."""
     if not isinstance(optimizers, Mapping) or not optimizers:
         raise TypeError(
             "optimizers must be a non-empty dict of labels to the optimizers "
@@ -111,15 +112,28 @@ def _checked(optimizers: Any) -> dict[str, Any]:
             f"'g_optimizer': model.g_optimizer}}. Received: {optimizers!r}."
         )
     for label, optimizer in optimizers.items():
-        if not isinstance(label, str) or not isinstance(
-            optimizer, keras.optimizers.Optimizer
-        ):
+        if not isinstance(label, str) or not label.isidentifier():
+            raise ValueError(
+                "Each label in optimizers names the optimizer's logs "
+                "('d_optimizer' logs d_optimizer_loss_scale): a Python "
+                f"identifier such as 'd_optimizer'. Received: {label!r}."
+            )
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
-                "optimizers maps each label (a str) to a Keras optimizer (a "
+                "optimizers maps each label to a Keras optimizer (a "
                 "kmp.LossScaleOptimizer, or any keras.optimizers.Optimizer). "
                 f"Received {label!r}: {optimizer!r} (of type "
                 f"{type(optimizer).__name__})."
             )
+        for name, wrapper in before.items():
+            if getattr(wrapper, "inner_optimizer", None) is optimizer:
+                raise ValueError(
+                    f"optimizers[{label!r}] is the optimizer that "
+                    f"{type(wrapper).__name__} {name!r} wraps: the model "
+                    "trains with the wrapper, whose loss scale and skipped "
+                    f"steps are logged. Pass the wrapper (as {name!r}, "
+                    f"model.{name} where kmp.compile wrapped it)."
+                )
     return dict(optimizers)
 
 

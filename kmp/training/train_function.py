@@ -19,9 +19,10 @@ there is none). At its first call, inside `fit`:
   (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's compiler then
   works before the step's activations exist, not beside them);
 * it has Keras make its own train function, and calls it from then on;
-* after that first step, it warns where the step applied a
-  `kmp.LossScaleOptimizer` that kmp's telemetry does not report for the
-  model (a model whose own `compile` took it, compiled without
+* after that first step (and the first after
+  `kmp.telemetry.attach(model, optimizers=...)`), it warns where the step
+  applied a `kmp.LossScaleOptimizer` that kmp's telemetry does not report
+  for the model (a model whose own `compile` took it, compiled without
   `kmp.compile` and attached without naming it).
 
 After each call from `fit`, where the step's logs lack kmp's telemetry (a
@@ -37,6 +38,7 @@ returns the step's logs as the `train_step` wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -86,6 +88,16 @@ class TrainFunction:
         self._undo: Callable[[str], None] | None = None
         self._adds: bool | None = None  # decided at the first step from fit
         self._per_epoch = False
+        self._check = True  # whether the next step's applies are checked
+
+    def optimizers_changed(self) -> None:
+        """The optimizers kmp reports for the model changed
+        (`kmp.telemetry.attach(model, optimizers=...)`): the step is traced
+        again, what kmp adds to its logs decided again, and what it applies
+        checked again, at the next call."""
+        self._adds = None
+        self._check = True
+        self.retrace()
 
     def __call__(self, iterator: Any) -> Any:
         model = self._model()
@@ -95,14 +107,20 @@ class TrainFunction:
         ):
             # A watch of the forward pass that its fit did not end.
             self.retrace()
-        if self._inner is None:
-            with applies_recorded() as applied:
+        with contextlib.ExitStack() as stack:
+            # At the first call, and the first after the optimizers reported
+            # changed: which loss-scale optimizers the step (traced then)
+            # applies.
+            applied = stack.enter_context(applies_recorded()) if self._check else None
+            if self._inner is None:
                 logs = self._first_call(model, iterator)
+            elif self._undo is not None:
+                logs = self._changed_step(model, iterator)
+            else:
+                logs = self._inner(iterator)
+        if applied is not None:
+            self._check = False
             _warn_of_unreported(model, applied)
-        elif self._undo is not None:
-            logs = self._changed_step(model, iterator)
-        else:
-            logs = self._inner(iterator)
         if self._complete_plan:
             # Built only by the first step's own trace: the plan is completed
             # now (or never, where kmp cannot trace the model), and the next
@@ -229,6 +247,17 @@ class TrainFunction:
         return inner
 
 
+def optimizers_changed(model: keras.Model) -> None:
+    """The optimizers kmp reports for `model` changed: see
+    `TrainFunction.optimizers_changed` (kmp's train function; another is
+    made again)."""
+    function = getattr(model, "train_function", None)
+    if isinstance(function, TrainFunction):
+        function.optimizers_changed()
+    else:
+        retrace(model)
+
+
 def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> None:
     """Has the model's train function traced again before its next step,
     as `fit` calls it (kmp's, or one Keras made), and its test and predict
@@ -264,10 +293,10 @@ def _compile_update_ahead(model: keras.Model) -> None:
 
 
 def _warn_of_unreported(model: keras.Model, applied: list) -> None:
-    """Warns where the model's first step applied a `kmp.LossScaleOptimizer`
-    that kmp's telemetry does not report for it (a model whose own compile
-    took it, compiled without `kmp.compile`): its loss scale and skipped
-    steps would be missing from the logs."""
+    """Warns where the model's step applied a `kmp.LossScaleOptimizer` that
+    kmp's telemetry does not report for it (a model whose own compile took
+    it, compiled without `kmp.compile`): its loss scale and skipped steps
+    would be missing from the logs."""
     reported = registry.optimizers_of(model)
     missed = [o for o in applied if not any(o is r for r in reported.values())]
     if not missed:
@@ -276,19 +305,21 @@ def _warn_of_unreported(model: keras.Model, applied: list) -> None:
         f"{label}: {_kind(optimizer)}" for label, optimizer in reported.items()
     )
     _warn.warn(
-        f"The train step of model {model.name!r} applied {len(missed)} "
-        "kmp.LossScaleOptimizer(s) that kmp's telemetry does not report (it "
-        f"reads {reads or 'no optimizer'}): their loss scale and skipped "
-        "steps will not be in the logs. For a model whose own compile takes "
-        "optimizers, compile it with kmp.compile(model, ...), which finds "
-        "them among the arguments, or name them: kmp.telemetry.attach(model, "
-        "optimizers={'d_optimizer': model.d_optimizer, ...})."
+        f"The train step of model {model.name!r} applied "
+        f"{', '.join(_kind(o) for o in missed)}, which kmp's telemetry does "
+        f"not report (it reads {reads or 'no optimizer'}): the loss scale "
+        "and skipped steps of what the step applied will not be in the logs. "
+        "Name the optimizers the model trains with: "
+        "kmp.telemetry.attach(model, optimizers={'d_optimizer': "
+        "model.d_optimizer, ...}) (kmp.compile(model, ...) names those passed "
+        "to the model's own compile)."
     )
 
 
 def _kind(optimizer: Any) -> str:
     if isinstance(optimizer, LossScaleOptimizer):
-        return "a kmp.LossScaleOptimizer"
+        inner = type(optimizer.inner_optimizer).__name__
+        return f"a kmp.LossScaleOptimizer around {inner}"
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         inner = type(optimizer.inner_optimizer).__name__
         return f"Keras's own LossScaleOptimizer around {inner}"
