@@ -69,6 +69,15 @@ def attach(
             `d_optimizer_loss_scale`, ...); they replace those reported
             before.
 
+    Returns:
+        `model`.
+
+    Raises:
+        TypeError: if `optimizers` is not a non-empty dict of Keras
+            optimizers.
+        ValueError: if a label is not a Python identifier, or an optimizer
+            is the one `kmp.compile` wrapped (pass its wrapper).
+
     Example:
 
     >>> kmp.set_policy("mixed_float16")
