@@ -580,6 +580,17 @@ def test_compile_applies_rules_before_compiling():
         kmp.compile(keras.layers.Dense(2), optimizer="adam")
 
 
+def test_predict_after_prepare_computes_with_the_policies_prepare_set():
+    # A predict run before (a check right after loading) had traced the
+    # old policies.
+    kmp.set_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x = np.ones((2, 4), "float32")
+    assert model.predict(x, verbose=0).dtype == np.float16
+    kmp.prepare(model)  # the output layer moves to float32
+    assert model.predict(x, verbose=0).dtype == np.float32
+
+
 def test_prepare_rejects_non_models():
     with pytest.raises(TypeError, match="expects a Keras model"):
         kmp.prepare("model")

@@ -72,7 +72,11 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
             "prepare() expects a Keras model or layer. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
-    apply(plan(model))  # plan raises before anything is changed
+    changed = apply(plan(model))  # plan raises before anything is changed
+    if changed and isinstance(model, keras.Model):
+        # Traced with the old policies (`predict` run before): made again.
+        model.test_function = None
+        model.predict_function = None
     return model
 
 
