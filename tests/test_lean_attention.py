@@ -277,7 +277,7 @@ def test_lean_replaces_attention_and_normalization_and_trains():
 
 
 def test_lean_after_prepare_keeps_the_policies_kmp_set():
-    """The precision report prepares the model it reads, and advises lean:
+    """A model prepared (by kmp.prepare or kmp.compile) and then made lean:
     the rebuilt attention keeps kmp's float32 query and key projections
     under float16 and its 16-bit value and output projections (a layer's
     config carries its own policy alone), and computes as before."""
@@ -364,7 +364,11 @@ def test_the_report_is_silent_where_kerass_attention_keeps_no_copy(policy, confi
     def attention(**kwargs):
         return keras.layers.MultiHeadAttention(**kwargs, **config)
 
-    model = kmp.prepare(kmp.layers.lean_normalization(_transformer(attention)))
+    model = kmp.layers.lean_normalization(_transformer(attention))
+    # Before kmp's rules apply (under float16 they move the scores to
+    # float32) and after.
+    assert "attention" not in kmp.precision_report(model, trace=False).memory
+    kmp.prepare(model)
     assert "attention" not in kmp.precision_report(model, trace=False).memory
 
 

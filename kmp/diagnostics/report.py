@@ -530,8 +530,15 @@ def _memory_note(decisions) -> str:
 
 def _attention_note(decisions) -> str:
     """What the model's attention layers keep for the backward pass, where
-    kmp's layer would keep less; `''` elsewhere."""
-    copies = [d.path for d in decisions if attention_layers.keeps_float32_copy(d.layer)]
+    kmp's layer would keep less; `''` elsewhere. A layer kmp's rules move to
+    float32 (its float32 scores under float16) keeps no 16-bit probabilities
+    once they apply, prepared or not yet."""
+    copies = [
+        d.path
+        for d in decisions
+        if (d.explicit or d.policy is None or d.policy.is_16bit)
+        and attention_layers.keeps_float32_copy(d.layer)
+    ]
     if not copies:
         return ""
     return (

@@ -45,11 +45,10 @@ def lean(model: keras.Model) -> keras.Model:
     The model is rebuilt with Keras's `keras.models.clone_model`: each
     replacement takes its layer's config and weights (moving statistics
     included), and the policies kmp set on it and its sublayers where the
-    model was prepared (`kmp.precision_report` prepares the model it
-    reads), and every other layer is the same object, with the same
-    weights, in both models. Use the returned model from then on, and build
-    on its graph (`new.input`, `new.output`): a shared layer's `.output` is
-    the one of its first call, in `model`.
+    model was prepared (`kmp.prepare`), and every other layer is the same
+    object, with the same weights, in both models. Use the returned model
+    from then on, and build on its graph (`new.input`, `new.output`): a
+    shared layer's `.output` is the one of its first call, in `model`.
 
     Keras's own `Sequential` and Functional models are rebuilt, nested ones
     included. A model of another class (a subclassed model, or a subclass
