@@ -38,7 +38,6 @@ returns the step's logs as the `train_step` wrote them.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -107,20 +106,16 @@ class TrainFunction:
         ):
             # A watch of the forward pass that its fit did not end.
             self.retrace()
-        with contextlib.ExitStack() as stack:
-            # At the first call, and the first after the optimizers reported
+        if self._check:
+            # The first call, or the first after the optimizers reported
             # changed: which loss-scale optimizers the step (traced then)
             # applies.
-            applied = stack.enter_context(applies_recorded()) if self._check else None
-            if self._inner is None:
-                logs = self._first_call(model, iterator)
-            elif self._undo is not None:
-                logs = self._changed_step(model, iterator)
-            else:
-                logs = self._inner(iterator)
-        if applied is not None:
+            with applies_recorded() as applied:
+                logs = self._step(model, iterator)
             self._check = False
             _warn_of_unreported(model, applied)
+        else:
+            logs = self._step(model, iterator)
         if self._complete_plan:
             # Built only by the first step's own trace: the plan is completed
             # now (or never, where kmp cannot trace the model), and the next
@@ -138,6 +133,14 @@ class TrainFunction:
             return logs
         extra = self._logs(model, self._per_epoch)
         return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+
+    def _step(self, model: keras.Model, iterator: Any) -> Any:
+        """One call of the step: the first, a changed one, or Keras's."""
+        if self._inner is None:
+            return self._first_call(model, iterator)
+        if self._undo is not None:
+            return self._changed_step(model, iterator)
+        return self._inner(iterator)
 
     def _first_call(self, model: keras.Model, iterator: Any) -> Any:
         """What only the first call does before its step (see the module
