@@ -57,7 +57,9 @@ def attach(
     `d_optimizer` and `g_optimizer`), compiled without `kmp.compile`, trains
     with optimizers kmp cannot find: name them in `optimizers`. Where the
     first training step (or the first after `optimizers` changed) applies a
-    `kmp.LossScaleOptimizer` that is not among those reported, kmp warns.
+    `kmp.LossScaleOptimizer` that is not among those reported, kmp warns
+    (not under a `tf.distribute` strategy, whose replicas apply in threads
+    of their own: there kmp does not check).
 
     Args:
         model: A compiled Keras model.
