@@ -454,3 +454,15 @@ def test_under_float16_kmp_computes_grouped_scores_in_float32_as_for_kerass():
     assert dtypes == expected and dtypes[0] == "float32"  # the query projection
     x = np.random.default_rng(10).integers(0, 50, (2, 8)).astype("int32")
     np.testing.assert_array_equal(model(x), reference(x))
+
+
+def test_the_reports_attention_note_reads_the_policies_rules_give_the_projections():
+    # A rule that moves the query projection alone to float32: no 16-bit
+    # logits, before the rule applies and after.
+    kmp.set_policy("mixed_bfloat16")
+    kmp.set_layer_policy("name:query", "float32")
+    model = _transformer()
+    assert "attention" not in kmp.precision_report(model, trace=False).memory
+    kmp.prepare(model)
+    assert model.get_layer("attention").query_dense.compute_dtype == "float32"
+    assert "attention" not in kmp.precision_report(model, trace=False).memory

@@ -528,16 +528,23 @@ def _memory_note(decisions) -> str:
     )
 
 
-def _attention_note(decisions) -> str:
+def _attention_note(the_plan) -> str:
     """What the model's attention layers keep for the backward pass, where
-    kmp's layer would keep less; `''` elsewhere. A layer kmp's rules move to
-    float32 (its float32 scores under float16) keeps no 16-bit probabilities
-    once they apply, prepared or not yet."""
+    kmp's layer would keep less; `''` elsewhere. Read with the policies kmp's
+    plan gives the projections (under float16 its float32 scores rule moves
+    the query and key to float32), prepared or not yet."""
+    planned = {id(d.layer): d for d in the_plan}
+
+    def compute_dtype(layer: keras.layers.Layer) -> str:
+        d = planned.get(id(layer))
+        if d is None or d.explicit or d.policy is None:
+            return layer.compute_dtype
+        return d.policy.compute_dtype
+
     copies = [
         d.path
-        for d in decisions
-        if (d.explicit or d.policy is None or d.policy.is_16bit)
-        and attention_layers.keeps_float32_copy(d.layer)
+        for d in the_plan
+        if attention_layers.keeps_float32_copy(d.layer, compute_dtype)
     ]
     if not copies:
         return ""

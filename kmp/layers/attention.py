@@ -5,6 +5,7 @@ Keras's attention layers keep the float32 copy they avoid."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -59,16 +60,20 @@ def lean_attention(
     return attention.dot_product_attention(query, key, value, attention_mask, scale)
 
 
-def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
+def keeps_float32_copy(
+    layer: keras.layers.Layer,
+    compute_dtype: Callable[[keras.layers.Layer], str] | None = None,
+) -> bool:
     """Whether `layer` is a Keras `MultiHeadAttention` or
-    `GroupQueryAttention` (not kmp's) that, as kmp's policies and rules now
+    `GroupQueryAttention` (not kmp's) that, as kmp's policies and rules
     have it compute, takes its softmax in float32 on 16-bit logits and keeps
     a float32 copy of its probabilities for the backward pass, where kmp's
     layer with the same settings would keep the 16-bit ones alone: Keras's
     attention code, 16-bit projections (all in one dtype), no dropout on the
     probabilities, and queries projected to rank 4 (one attention axis).
     Whether the caller asks for the scores (`return_attention_scores`) is
-    not known here."""
+    not known here. `compute_dtype` gives each projection's compute dtype
+    (kmp's plan, before it applies); by default, the one it has now."""
     keras_classes = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
     if not isinstance(layer, keras_classes) or isinstance(
         layer, tuple(kinds.registered_attention_code())
@@ -81,7 +86,12 @@ def keeps_float32_copy(layer: keras.layers.Layer) -> bool:
         for inner in keras_private.sublayers(layer)
         if isinstance(inner, keras.layers.EinsumDense)
     ]
-    dtypes = {projection.compute_dtype for projection in projections}
+    if compute_dtype is None:
+
+        def compute_dtype(projection: keras.layers.Layer) -> str:
+            return projection.compute_dtype
+
+    dtypes = {compute_dtype(projection) for projection in projections}
     # Keras's dot-product path needs queries projected to [batch, length,
     # heads, depth]: one attention axis (GroupQueryAttention has no other).
     one_axis = not isinstance(layer, keras.layers.MultiHeadAttention) or (
