@@ -591,6 +591,16 @@ def test_predict_after_prepare_computes_with_the_policies_prepare_set():
     assert model.predict(x, verbose=0).dtype == np.float32
 
 
+def test_a_nested_models_predict_after_prepare_computes_with_the_new_policies():
+    kmp.set_policy("mixed_float16")
+    head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x = np.ones((2, 4), "float32")
+    assert head.predict(x, verbose=0).dtype == np.float16
+    inputs = keras.Input((4,))
+    kmp.prepare(keras.Model(inputs, head(inputs)))  # its output: float32
+    assert head.predict(x, verbose=0).dtype == np.float32
+
+
 def test_prepare_rejects_non_models():
     with pytest.raises(TypeError, match="expects a Keras model"):
         kmp.prepare("model")

@@ -40,6 +40,11 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     at build time) is left as it is, with a warning: call `prepare` again
     once the model is built.
 
+    Call it before compiling: where it changes a layer, `evaluate` and
+    `predict` traced before (of the model and of the models inside it) are
+    traced again at their next use, and `compile` traces `fit`'s step
+    again.
+
     Args:
         model: A `keras.Model` (or any `keras.layers.Layer`).
 
@@ -72,11 +77,8 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
             "prepare() expects a Keras model or layer. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
-    changed = apply(plan(model))  # plan raises before anything is changed
-    if changed and isinstance(model, keras.Model):
-        # Traced with the old policies (`predict` run before): made again.
-        model.test_function = None
-        model.predict_function = None
+    if apply(plan(model)):  # plan raises before anything is changed
+        _forget_traced(model)
     return model
 
 
@@ -115,10 +117,21 @@ def complete(model: keras.layers.Layer) -> int:
     Functions Keras traced before with the old policies (`evaluate`,
     `predict`) are traced again at their next use."""
     changed = apply(plan(model))
-    if changed and isinstance(model, keras.Model):
-        model.test_function = None
-        model.predict_function = None
+    if changed:
+        _forget_traced(model)
     return changed
+
+
+def _forget_traced(model: keras.layers.Layer) -> None:
+    """Has Keras trace `evaluate` and `predict` again at their next use, for
+    `model` and every model inside it (a backbone's own `predict` run
+    before): they were traced with the old policies. (`fit`'s step is
+    traced again by `kmp.compile`, or by Keras's `compile`.)"""
+    models = [model] + [s.layer for s in traversal.walk(model)]
+    for inner in models:
+        if isinstance(inner, keras.Model):
+            inner.test_function = None
+            inner.predict_function = None
 
 
 def apply(the_plan: Plan) -> int:
