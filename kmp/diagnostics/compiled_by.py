@@ -45,13 +45,10 @@ def compiled_without_kmp(model: Any) -> bool:
 
 
 def _optimizer_is(opt: Any) -> str:
+    # Never kmp's here (see compiled_without_kmp).
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-        inner = type(opt.inner_optimizer).__name__
-        return (
-            f"Keras's own LossScaleOptimizer around {inner} (no floor under the "
-            "loss scale)"
-        )
-    return f"{type(opt).__name__} alone (non-finite steps are applied)"
+        return f"{registry.describe(opt)} (no floor under the loss scale)"
+    return f"{registry.describe(opt)} alone (non-finite steps are applied)"
 
 
 def note_compiled_without_kmp(model: Any, tool: str) -> bool:

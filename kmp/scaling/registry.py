@@ -9,6 +9,8 @@ from typing import Any
 
 import keras
 
+from kmp.scaling import optimizer as optimizer_lib
+
 
 def optimizers_of(model: keras.Model) -> dict[str, Any]:
     """The optimizers telemetry reports for `model`, by label: the ones
@@ -30,3 +32,14 @@ def register(model: keras.Model, optimizers: dict[str, Any]) -> None:
     """Records the optimizers `model` trains with (`kmp.compile`'s wrapped
     ones, or those given to `kmp.telemetry.attach`)."""
     _registered[model] = dict(optimizers)
+
+
+def describe(optimizer: Any) -> str:
+    """`optimizer` in a message: `'a kmp.LossScaleOptimizer around Adam'`,
+    `"Keras's own LossScaleOptimizer around RMSprop"`, or its class name."""
+    inner = type(getattr(optimizer, "inner_optimizer", None)).__name__
+    if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
+        return f"a kmp.LossScaleOptimizer around {inner}"
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return f"Keras's own LossScaleOptimizer around {inner}"
+    return type(optimizer).__name__

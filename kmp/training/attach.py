@@ -109,7 +109,7 @@ def attach(
         )
     train_function.install(model, complete_plan, step_logs, metric_in_metrics)
     if changed:  # a step traced before reports the optimizers it read then
-        train_function.optimizers_changed(model)
+        model.train_function.optimizers_changed()  # kmp's, installed above
     return model
 
 

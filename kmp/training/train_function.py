@@ -250,17 +250,6 @@ class TrainFunction:
         return inner
 
 
-def optimizers_changed(model: keras.Model) -> None:
-    """The optimizers kmp reports for `model` changed: see
-    `TrainFunction.optimizers_changed` (kmp's train function; another is
-    made again)."""
-    function = getattr(model, "train_function", None)
-    if isinstance(function, TrainFunction):
-        function.optimizers_changed()
-    else:
-        retrace(model)
-
-
 def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> None:
     """Has the model's train function traced again before its next step,
     as `fit` calls it (kmp's, or one Keras made), and its test and predict
@@ -305,28 +294,19 @@ def _warn_of_unreported(model: keras.Model, applied: list) -> None:
     if not missed:
         return
     reads = ", ".join(
-        f"{label}: {_kind(optimizer)}" for label, optimizer in reported.items()
+        f"{label}: {registry.describe(o)}" for label, o in reported.items()
     )
+    applied_ones = ", ".join(registry.describe(o) for o in missed)
     _warn.warn(
-        f"The train step of model {model.name!r} applied "
-        f"{', '.join(_kind(o) for o in missed)}, which kmp's telemetry does "
-        f"not report (it reads {reads or 'no optimizer'}): the loss scale "
+        f"The train step of model {model.name!r} applied {applied_ones}, "
+        f"which kmp's telemetry does not report (it reads "
+        f"{reads or 'no optimizer'}): the loss scale "
         "and skipped steps of what the step applied will not be in the logs. "
         "Name the optimizers the model trains with: "
         "kmp.telemetry.attach(model, optimizers={'d_optimizer': "
         "model.d_optimizer, ...}) (kmp.compile(model, ...) names those passed "
         "to the model's own compile)."
     )
-
-
-def _kind(optimizer: Any) -> str:
-    if isinstance(optimizer, LossScaleOptimizer):
-        inner = type(optimizer.inner_optimizer).__name__
-        return f"a kmp.LossScaleOptimizer around {inner}"
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        inner = type(optimizer.inner_optimizer).__name__
-        return f"Keras's own LossScaleOptimizer around {inner}"
-    return type(optimizer).__name__
 
 
 def _from_fit(iterator: Any) -> bool:
