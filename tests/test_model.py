@@ -207,3 +207,42 @@ def test_a_subclassed_model_built_before_compile_gets_the_telemetry_in_its_logs(
     assert "skipped_steps" not in logs
     # Its call's output layer computes in float32, found by tracing it.
     assert net.b.compute_dtype == "float32"
+
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(8)
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("fused_update", [False, True])
+@pytest.mark.parametrize("kind", ["functional", "subclassed-unbuilt"])
+def test_fit_traces_its_first_step_once(kind, fused_update):
+    # TensorFlow traces a step again where its first trace created variables;
+    # kmp builds the optimizer before it (plain Keras builds it in the step).
+    kmp.set_policy("mixed_float16")
+    traces = []
+
+    def loss(y, prediction):  # Python: runs at each trace of the step
+        traces.append(prediction.dtype)
+        return keras.ops.mean(keras.ops.square(y - prediction))
+
+    model = mlp() if kind == "functional" else Net()
+    adam = keras.optimizers.Adam(name="adam")
+    kmp.compile(model, optimizer=adam, loss=loss, fused_update=fused_update)
+    model.fit(*data(32), batch_size=8, epochs=2, verbose=0)
+    assert traces == ["float32"]
+    # Built for the variables the step applies, as its first apply does:
+    # the same variables, with the same names.
+    inner = model.optimizer.inner_optimizer
+    applied = [id(v) for v in model.trainable_variables]
+    assert [id(v) for v in inner._trainable_variables] == applied
+    same = kmp.LossScaleOptimizer(keras.optimizers.Adam(name="adam"))
+    grads = [keras.ops.zeros_like(v) for v in model.trainable_variables]
+    same.apply(grads, model.trainable_variables, scaled=False)
+    paths = [v.path.replace(same.name, model.optimizer.name, 1) for v in same.variables]
+    assert [v.path for v in model.optimizer.variables] == paths

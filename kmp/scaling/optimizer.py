@@ -556,9 +556,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "The first apply() needs trainable_variables to build the "
                     "optimizer: optimizer.apply(grads, model.trainable_variables)."
                 )
-            with keras.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-            self.built = True
+            self.build_for_apply(trainable_variables)
         fused.resolve(self.fused_update)  # raises for True under a strategy
         variables = (
             keras_private.optimizer_variables(self)
@@ -640,11 +638,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             and fused.resolve(self.fused_update, self.inner_optimizer, variables)
         ):
             return False
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
-            self.built = True
+        self.build_for_apply(variables)
         return self._fused_apply.compile_ahead(variables)
+
+    def build_for_apply(self, trainable_variables: Any) -> bool:
+        """Builds the optimizer for `trainable_variables` now, as its first
+        `apply` would (its state's variables are named under the
+        optimizer's scope, as there), unless it is built. Returns whether
+        it built.
+
+        `fit` calls it before the first step of Keras's own `train_step`:
+        a `tf.function` whose first trace creates variables is traced a
+        second time without them, so a step that builds its optimizer (as
+        plain Keras's first step does) is traced twice.
+        """
+        if self.built:
+            return False
+        with keras.name_scope(self.name, caller=self):
+            self.build(list(trainable_variables))
+        self.built = True
+        return True
 
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""

@@ -14,10 +14,14 @@ there is none). At its first call, inside `fit`:
   from a trace); where that cannot be done before the step (several
   inputs, `train_on_batch` first), the plan is completed after the first
   step and the step traced again if a layer changed;
-* where the model trains with Keras's own `train_step` and kmp fuses its
-  optimizer update, it compiles that update before the step
-  (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's compiler then
-  works before the step's activations exist, not beside them);
+* where the model trains with Keras's own `train_step`, it builds the
+  optimizer for the model's trainable variables before the step
+  (`kmp.LossScaleOptimizer.build_for_apply`: TensorFlow traces a step
+  whose first trace created variables a second time, and plain Keras
+  builds its optimizer in that trace), and where kmp fuses the update, it
+  compiles it (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's
+  compiler then works before the step's activations exist, not beside
+  them);
 * it has Keras make its own train function, and calls it from then on;
 * after that first step (and the first after
   `kmp.telemetry.attach(model, optimizers=...)`), it warns where the step
@@ -150,7 +154,7 @@ class TrainFunction:
         if self._complete_plan and plan_apply.ready(model):
             self._complete_plan = False
             plan_apply.complete(model)
-        _compile_update_ahead(model)
+        _ready_optimizer(model)
         self._inner = self._keras_function(model)
         if self._undo is not None:
             # A change made before the first step, with its undo.
@@ -265,22 +269,33 @@ def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> No
         model.make_train_function(force=True)
 
 
-def _compile_update_ahead(model: keras.Model) -> None:
-    """Compiles kmp's fused optimizer update before the first step, where
-    the model trains with Keras's own `train_step` (which applies
-    `model.trainable_variables`, the list compiled) and every layer is
-    built (so that the list is the step's). A `train_step` of the model's
-    own may apply other variables, or other optimizers, so nothing is
-    compiled ahead for it."""
+def _ready_optimizer(model: keras.Model) -> None:
+    """Builds kmp's optimizer, and compiles its fused update, before the
+    first step, where the model trains with Keras's own `train_step` (which
+    applies `model.trainable_variables`, the list compiled) and every layer
+    is built (so that the list is the step's).
+
+    Built there (`kmp.LossScaleOptimizer.build_for_apply`), its variables
+    are not created inside the step's first trace, which TensorFlow would
+    then trace a second time. Compiled there
+    (`kmp.LossScaleOptimizer.compile_update_ahead`), XLA's compiler works
+    before the step's activations exist, not beside them. A `train_step` of
+    the model's own may apply other variables, or other optimizers, so
+    nothing is done ahead for it."""
     optimizer = getattr(model, "optimizer", None)
-    if (
-        # Where Keras compiles the whole step with XLA, the update is part of
-        # that program: one compiled alone would never run.
-        getattr(model, "jit_compile", False) is not True
-        and type(model).train_step is keras.Model.train_step
+    if not (
+        type(model).train_step is keras.Model.train_step
         and isinstance(optimizer, LossScaleOptimizer)
         and plan_apply.all_built(model)
+        # Keras's step applies nothing where nothing is trainable.
+        and model.trainable_variables
     ):
+        return
+    with model.distribute_strategy.scope():
+        optimizer.build_for_apply(model.trainable_variables)
+    # Where Keras compiles the whole step with XLA, the update is part of
+    # that program: one compiled alone would never run.
+    if getattr(model, "jit_compile", False) is not True:
         optimizer.compile_update_ahead(model.trainable_variables)
 
 
