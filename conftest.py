@@ -3,36 +3,55 @@
 import gc
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf
+# Imported where tests are collected (`_start_tensorflow`): pytest-xdist's
+# controller, which runs no test, starts no TensorFlow (a few seconds before
+# its workers can start).
+tf = keras = np = kmp = policy_lib = None
 
-# Two logical CPUs, so that MirroredStrategy tests have two replicas. This
-# must happen before TensorFlow's runtime starts (its first op).
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
-)
-# Every device platform starts here, before any test captures standard
-# error: where TensorFlow probes CUDA only when GPUs are listed, its cuInit
-# notice would otherwise land in the first test that lists them.
-tf.config.list_physical_devices()
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+def pytest_collectstart(collector):
+    if tf is None:
+        _start_tensorflow()
 
-import kmp  # noqa: E402
-from kmp.precision import policy as policy_lib  # noqa: E402
 
-# float32 references must be float32: no TF32 on GPUs that have it.
-tf.config.experimental.enable_tensor_float_32_execution(False)
+def _start_tensorflow():
+    """Imports TensorFlow, Keras and kmp for the tests, before the first
+    test module is imported."""
+    global tf, keras, np, kmp, policy_lib
+    import tensorflow as tf
+
+    # Two logical CPUs, so that MirroredStrategy tests have two replicas.
+    # This must happen before TensorFlow's runtime starts (its first op).
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [
+            tf.config.LogicalDeviceConfiguration(),
+            tf.config.LogicalDeviceConfiguration(),
+        ],
+    )
+    # Every device platform starts here, before any test captures standard
+    # error: where TensorFlow probes CUDA only when GPUs are listed, its
+    # cuInit notice would otherwise land in the first test that lists them.
+    tf.config.list_physical_devices()
+    # float32 references must be float32: no TF32 on GPUs that have it.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    import keras
+    import numpy as np
+
+    import kmp
+    from kmp.precision import policy as policy_lib
+
 
 _MIRRORED = []
 
 
 @pytest.fixture
-def mirrored() -> tf.distribute.MirroredStrategy:
+def mirrored() -> "tf.distribute.MirroredStrategy":
     """One MirroredStrategy over the two logical CPUs for the whole process:
     each new one would restart the collective-op instance keys on the same
     device group, and TF 2.21 then mixes up the collectives of different
