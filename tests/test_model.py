@@ -239,10 +239,45 @@ def test_fit_traces_its_first_step_once(kind, fused_update):
     # Built for the variables the step applies, as its first apply does:
     # the same variables, with the same names.
     inner = model.optimizer.inner_optimizer
-    applied = [id(v) for v in model.trainable_variables]
+    applied = [id(v) for v in model.trainable_weights]
     assert [id(v) for v in inner._trainable_variables] == applied
     same = kmp.LossScaleOptimizer(keras.optimizers.Adam(name="adam"))
     grads = [keras.ops.zeros_like(v) for v in model.trainable_variables]
     same.apply(grads, model.trainable_variables, scaled=False)
     paths = [v.path.replace(same.name, model.optimizer.name, 1) for v in same.variables]
     assert [v.path for v in model.optimizer.variables] == paths
+
+
+def _trains_its_head_only(overridden):
+    """A functional model that trains its head only by overriding
+    `overridden` (Keras's train_step applies `trainable_weights`)."""
+
+    def without_body(self):
+        weights = getattr(keras.Model, overridden).fget(self)
+        return [w for w in weights if not w.path.startswith("body")]
+
+    return type("HeadOnly", (keras.Model,), {overridden: property(without_body)})
+
+
+@pytest.mark.parametrize("fused_update", [False, True])
+@pytest.mark.parametrize("overridden", ["trainable_weights", "trainable_variables"])
+def test_fit_builds_the_optimizer_for_the_weights_keras_step_applies(
+    overridden, fused_update
+):
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    body = keras.layers.Dense(4, name="body")
+    head = keras.layers.Dense(4, name="head")
+    model = _trains_its_head_only(overridden)(inputs, head(body(inputs)))
+    optimizer = keras.optimizers.Adam(1e-2, use_ema=True)
+    kmp.compile(model, optimizer=optimizer, loss="mse", fused_update=fused_update)
+    body_kernel = body.kernel.numpy()
+    x = np.random.default_rng(0).random((32, 4), "float32")
+    model.fit(x, x, batch_size=8, verbose=0)
+    applied = [id(w) for w in model.trainable_weights]
+    assert [id(v) for v in optimizer._trainable_variables] == applied
+    if overridden == "trainable_weights":
+        np.testing.assert_array_equal(body.kernel.numpy(), body_kernel)
+        # The moving averages Keras writes back at the end of fit are the
+        # head's own, not the body's.
+        assert not np.allclose(head.kernel.numpy(), body_kernel)

@@ -15,7 +15,8 @@ there is none). At its first call, inside `fit`:
   inputs, `train_on_batch` first), the plan is completed after the first
   step and the step traced again if a layer changed;
 * where the model trains with Keras's own `train_step`, it builds the
-  optimizer for the model's trainable variables before the step
+  optimizer for the weights that step applies (`model.trainable_weights`)
+  before the step
   (`kmp.LossScaleOptimizer.build_for_apply`: TensorFlow traces a step
   whose first trace created variables a second time, and plain Keras
   builds its optimizer in that trace), and where kmp fuses the update, it
@@ -272,8 +273,9 @@ def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> No
 def _ready_optimizer(model: keras.Model) -> None:
     """Builds kmp's optimizer, and compiles its fused update, before the
     first step, where the model trains with Keras's own `train_step` (which
-    applies `model.trainable_variables`, the list compiled) and every layer
-    is built (so that the list is the step's).
+    applies `model.trainable_weights`: a model may override that property,
+    or `trainable_variables`, to train part of itself) and every layer is
+    built (so that the list is the step's).
 
     Built there (`kmp.LossScaleOptimizer.build_for_apply`), its variables
     are not created inside the step's first trace, which TensorFlow would
@@ -287,16 +289,17 @@ def _ready_optimizer(model: keras.Model) -> None:
         type(model).train_step is keras.Model.train_step
         and isinstance(optimizer, LossScaleOptimizer)
         and plan_apply.all_built(model)
-        # Keras's step applies nothing where nothing is trainable.
-        and model.trainable_variables
     ):
         return
+    applied = model.trainable_weights  # what Keras's train_step applies
+    if not applied:  # it applies nothing
+        return
     with model.distribute_strategy.scope():
-        optimizer.build_for_apply(model.trainable_variables)
+        optimizer.build_for_apply(applied)
     # Where Keras compiles the whole step with XLA, the update is part of
     # that program: one compiled alone would never run.
     if getattr(model, "jit_compile", False) is not True:
-        optimizer.compile_update_ahead(model.trainable_variables)
+        optimizer.compile_update_ahead(applied)
 
 
 def _warn_of_unreported(model: keras.Model, applied: list) -> None:
