@@ -16,13 +16,12 @@ there is none). At its first call, inside `fit`:
   step and the step traced again if a layer changed;
 * where the model trains with Keras's own `train_step`, it builds the
   optimizer for the weights that step applies (`model.trainable_weights`)
-  before the step
-  (`kmp.LossScaleOptimizer.build_for_apply`: TensorFlow traces a step
-  whose first trace created variables a second time, and plain Keras
-  builds its optimizer in that trace), and where kmp fuses the update, it
-  compiles it (`kmp.LossScaleOptimizer.compile_update_ahead`: XLA's
-  compiler then works before the step's activations exist, not beside
-  them);
+  before the step (`kmp.LossScaleOptimizer.build_for_apply`: TensorFlow
+  traces a step whose first trace created variables a second time, and
+  plain Keras builds its optimizer in that trace), and where kmp fuses the
+  update, it compiles it (`kmp.LossScaleOptimizer.compile_update_ahead`:
+  XLA's compiler then works before the step's activations exist, not
+  beside them);
 * it has Keras make its own train function, and calls it from then on;
 * after that first step (and the first after
   `kmp.telemetry.attach(model, optimizers=...)`), it warns where the step
