@@ -182,18 +182,19 @@ def test_an_optimizer_name_only_the_models_compile_knows_is_wrapped_after_it():
     assert float(task.optimizer.inner_optimizer.learning_rate) == pytest.approx(2e-5)
 
 
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(8)
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
 def test_a_subclassed_model_built_before_compile_gets_the_telemetry_in_its_logs(
     caplog,
 ):
-    class Net(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.a = keras.layers.Dense(8)
-            self.b = keras.layers.Dense(1)
-
-        def call(self, x):
-            return self.b(self.a(x))
-
     kmp.set_policy("mixed_float16")
     net = Net()
     net.build((None, 4))  # Keras locks a built subclassed model's state
@@ -207,16 +208,6 @@ def test_a_subclassed_model_built_before_compile_gets_the_telemetry_in_its_logs(
     assert "skipped_steps" not in logs
     # Its call's output layer computes in float32, found by tracing it.
     assert net.b.compute_dtype == "float32"
-
-
-class Net(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.a = keras.layers.Dense(8)
-        self.b = keras.layers.Dense(1)
-
-    def call(self, x):
-        return self.b(self.a(x))
 
 
 @pytest.mark.parametrize("fused_update", [False, True])

@@ -641,23 +641,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.build_for_apply(variables)
         return self._fused_apply.compile_ahead(variables)
 
-    def build_for_apply(self, trainable_variables: Any) -> bool:
+    def build_for_apply(self, trainable_variables: Any) -> None:
         """Builds the optimizer for `trainable_variables` now, as its first
         `apply` would (its state's variables are named under the
-        optimizer's scope, as there), unless it is built. Returns whether
-        it built.
+        optimizer's scope, as there), unless it is built.
 
         `fit` calls it before the first step of Keras's own `train_step`:
         a `tf.function` whose first trace creates variables is traced a
         second time without them, so a step that builds its optimizer (as
-        plain Keras's first step does) is traced twice.
+        plain Keras's first step does) is traced twice. A custom loop may
+        call it, eagerly, before its `tf.function` step, for the same
+        reason.
+
+        Example:
+
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam())
+        >>> optimizer.build_for_apply(model.trainable_variables)
+        >>> optimizer.built, int(optimizer.iterations)
+        (True, 0)
         """
         if self.built:
-            return False
+            return
         with keras.name_scope(self.name, caller=self):
             self.build(list(trainable_variables))
         self.built = True
-        return True
 
     def _apply_inner(self, grads, variables) -> None:
         """The inner optimizer's update, fused by XLA where that is on."""
