@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 
+import memory
 from _timing import cpu_model
 from _timing import status_mib
 
@@ -50,17 +51,11 @@ def run_row(name: str, policy: str, way: str) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    import kmp
     from kmp.tools import bench
     from kmp.tools import runs
 
-    if way == "keras":
-        keras.mixed_precision.set_global_policy(policy)
-    else:
-        kmp.set_policy(policy)
+    memory.set_policy(policy, way)
     if name == "resnet50":
-        import memory
-
         model, x, y = memory.build(name)
         batch = memory.BATCH[name]
         x, y = np.repeat(x, STEPS, axis=0), np.repeat(y, STEPS, axis=0)
@@ -70,13 +65,7 @@ def run_row(name: str, policy: str, way: str) -> dict:
         x, y = make(STEPS * batch)
     # kmp bench's models end in logits, ResNet50 in a softmax.
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name != "resnet50")
-    if way == "keras":
-        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
-    else:
-        fused = False if way == "kmp-unfused" else None
-        kmp.compile(
-            model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
-        )
+    memory.compile_way(model, way, loss)
     tf.config.experimental.reset_memory_stats("CPU:0")
     tensors_base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     times: list[float] = []

@@ -114,9 +114,9 @@ def build(name: str):
     return model, x, np.roll(x, -1, axis=1)
 
 
-def compiled(name: str, policy: str, way: str):
-    """The model `name` compiled for training under `policy` one `way`, with
-    its batch of data: (model, x, y)."""
+def set_policy(policy: str, way: str) -> None:
+    """Sets `policy` as the `way` does: Keras's global policy for `keras`,
+    `kmp.set_policy` for kmp's ways."""
     import keras
 
     import kmp
@@ -125,11 +125,15 @@ def compiled(name: str, policy: str, way: str):
         keras.mixed_precision.set_global_policy(policy)
     else:
         kmp.set_policy(policy)
-    keras.utils.set_random_seed(0)
-    model, x, y = build(name)
-    if way == "kmp-lean":
-        model = kmp.layers.lean(model)
-    loss = "sparse_categorical_crossentropy"
+
+
+def compile_way(model, way: str, loss) -> None:
+    """Compiles `model` with Adam the `way` says: `model.compile` for
+    `keras`, `kmp.compile` for kmp's (`kmp-unfused`: `fused_update=False`)."""
+    import keras
+
+    import kmp
+
     if way == "keras":
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
     else:
@@ -137,6 +141,21 @@ def compiled(name: str, policy: str, way: str):
         kmp.compile(
             model, optimizer=keras.optimizers.Adam(1e-4), loss=loss, fused_update=fused
         )
+
+
+def compiled(name: str, policy: str, way: str):
+    """The model `name` compiled for training under `policy` one `way`, with
+    its batch of data: (model, x, y)."""
+    import keras
+
+    import kmp
+
+    set_policy(policy, way)
+    keras.utils.set_random_seed(0)
+    model, x, y = build(name)
+    if way == "kmp-lean":
+        model = kmp.layers.lean(model)
+    compile_way(model, way, "sparse_categorical_crossentropy")
     return model, x, y
 
 
