@@ -20,9 +20,6 @@ from kmp.precision.kinds import SOFTMAX
 from kmp.precision.kinds import LayerKind
 from kmp.precision.kinds import register_layer_class
 from kmp.precision.kinds import unregister_layer_class
-from kmp.precision.names import closest
-from kmp.precision.names import known_layer_class_names
-from kmp.precision.names import unmatched_message
 from kmp.precision.rules import FLOAT32
 from kmp.precision.rules import LayerRule
 from kmp.precision.rules import RuleConflictError
@@ -45,14 +42,11 @@ __all__ = [
     "RuleConflictError",
     "attention_scores",
     "clear_layer_policies",
-    "closest",
     "cpu_convolutions",
-    "known_layer_class_names",
     "layer_rules",
     "register_layer_class",
     "set_attention_scores",
     "set_cpu_convolutions",
     "set_layer_policy",
-    "unmatched_message",
     "unregister_layer_class",
 ]

@@ -44,3 +44,45 @@ def test_every_kmp_warning_is_issued_at_the_users_line():
         if "warnings.warn(" in line
     ]
     assert direct == []
+
+
+def _kmp_imports() -> dict[str, set[str]]:
+    """Each kmp module -> the kmp modules it imports anywhere: at the top,
+    inside functions, and under `typing.TYPE_CHECKING`."""
+    package = ROOT / "kmp"
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "kmp"
+            ):
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    found.add(name if name in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("kmp"))
+        graph[module] = {m for m in found if m in modules and m != module}
+    return graph
+
+
+def test_no_kmp_module_imports_one_that_imports_it_back():
+    graph = _kmp_imports()
+    circles = []
+    for start in sorted(graph):
+        # Depth-first from `start`: a path back to it is a circle.
+        stack = [(start, (start,))]
+        seen = set()
+        while stack:
+            module, path = stack.pop()
+            for imported in sorted(graph[module]):
+                if imported == start:
+                    circles.append(" -> ".join((*path, start)))
+                elif imported not in seen:
+                    seen.add(imported)
+                    stack.append((imported, (*path, imported)))
+    assert circles == []

@@ -17,7 +17,6 @@ from kmp.planning.applied import refused_outputs
 from kmp.planning.decisions import FLOAT32_OUTPUTS
 from kmp.planning.decisions import Plan
 from kmp.planning.decisions import plan
-from kmp.precision import names
 from kmp.precision import quantization
 from kmp.precision import regularization
 from kmp.precision import rules
@@ -151,7 +150,7 @@ def apply(the_plan: Plan) -> int:
             regularization.compute_in_float32(d.layer)
     for rule in the_plan.unmatched:
         _warn.warn(
-            names.unmatched_message(
+            rules.unmatched_message(
                 rule,
                 _candidates(the_plan, rule),
                 f"of {model.name!r}",

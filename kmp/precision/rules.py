@@ -100,8 +100,7 @@ import keras
 
 from kmp._base import warn as _warn
 from kmp.precision import policy as policy_lib
-from kmp.precision.names import known_layer_class_names
-from kmp.precision.names import unmatched_message
+from kmp.precision import names
 
 logger = logging.getLogger("kmp")
 
@@ -223,10 +222,23 @@ def set_layer_policy(
             logger.info("kmp: %s replaces %s", rule, previous)
         _rules[key] = rule
     if kind == "class" and isinstance(parsed, str):
-        names = known_layer_class_names()
-        if not any(fnmatch.fnmatchcase(n, parsed) for n in names):
-            _warn.warn(unmatched_message(rule, names, "class defined so far"))
+        known = names.known_layer_class_names()
+        if not any(fnmatch.fnmatchcase(n, parsed) for n in known):
+            _warn.warn(unmatched_message(rule, known, "class defined so far"))
     return rule
+
+
+def unmatched_message(rule: LayerRule, candidates: Any, where: str) -> str:
+    """Says that `rule` matches nothing in `where`, with the closest names."""
+    pattern = rule.selector if isinstance(rule.selector, str) else ""
+    near = names.closest(pattern.replace("*", "").replace("?", ""), candidates)
+    hint = (
+        f" Closest {'class names' if rule.kind == 'class' else 'names'}: "
+        f"{', '.join(near)}."
+        if near
+        else ""
+    )
+    return f"kmp: {rule.describe()} matches no layer {where}.{hint}"
 
 
 def layer_rules() -> list[LayerRule]:
