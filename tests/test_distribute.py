@@ -90,6 +90,16 @@ def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):
     assert value(opt.iterations) == 1
 
 
+def test_history_counts_each_epochs_skipped_steps_under_a_strategy(mirrored):
+    x, y = regression(64)
+    x[5, 0] = np.inf  # one skipped step in each epoch
+    with mirrored.scope():
+        model = build("mixed_float16")
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    assert history.history["skipped_steps"] == [1, 1, 1]
+    assert history.history["skipped_steps_total"] == [1, 2, 3]
+
+
 def test_distributed_training_matches_one_device(mirrored):
     x, y = regression(64)
     with mirrored.scope():

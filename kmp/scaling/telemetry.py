@@ -68,8 +68,15 @@ class LossScaleTelemetry(keras.metrics.Metric):
     def __init__(self, model: keras.Model, name: str = "kmp_loss_scale"):
         super().__init__(name=name)
         self._model_ref = weakref.ref(model)
+        # Each start variable holds the same count on every replica: Keras's
+        # default for a metric's variables (a sum over replicas) would count
+        # it once per replica.
         self._epoch_start = self.add_variable(
-            shape=(), dtype="int64", initializer="zeros", name="epoch_start"
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name="epoch_start",
         )
         self._epoch_starts: dict[str, Any] = {}
         for label in registry.optimizers_of(model):
@@ -89,7 +96,11 @@ class LossScaleTelemetry(keras.metrics.Metric):
         variable = self._epoch_starts.get(label)
         if variable is None:
             variable = self._epoch_starts[label] = self.add_variable(
-                shape=(), dtype="int64", initializer="zeros", name=f"{label}_start"
+                shape=(),
+                dtype="int64",
+                initializer="zeros",
+                aggregation="only_first_replica",
+                name=f"{label}_start",
             )
         return variable
 
