@@ -84,7 +84,8 @@ history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[healer]
 for heal in healer.heals:
     print(f"   {heal}")
 print(
-    f"   loss {history.history['loss'][0]:.3f} -> {history.history['loss'][-1]:.3f}, "
+    f"   applied_loss {history.history['applied_loss'][0]:.3f} -> "
+    f"{history.history['applied_loss'][-1]:.3f}, "
     f"skipped {int(model.optimizer.skipped_steps_total)} steps, "
     f"loss scale {float(model.optimizer.loss_scale.numpy()):g}"
 )

@@ -43,10 +43,12 @@ def scale_of(model) -> float:
 def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
     x, y = data()
     kmp.set_policy("mixed_float16")
-    # Without the healer every step is skipped and the scale falls to its floor.
+    # Without the healer every step is skipped: the scale falls to its floor,
+    # and fit stops.
     plain = kmp.compile(ffn_model(), optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    plain.fit(x, y, batch_size=32, epochs=2, verbose=0)
-    assert int(plain.optimizer.skipped_steps_total) == 16
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError, match="forward pass"):
+        plain.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    assert int(plain.optimizer.skipped_steps_total) == 15  # 2**15 halved to 1
     assert scale_of(plain) == plain.optimizer.config.min_scale
 
     model = kmp.compile(ffn_model(), optimizer=keras.optimizers.Adam(1e-3), loss="mse")
@@ -68,7 +70,7 @@ def test_the_healer_moves_the_overflowing_layers_and_training_goes_on(tmp_path):
     assert healer.forward_overflows == int(model.optimizer.skipped_steps_total) <= 8
     assert scale_of(model) >= initial
     assert history.history["healed_layers"] == [1.0, 1.0, 1.0]
-    losses = history.history["loss"]
+    losses = history.history["applied_loss"]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     # Within a few percent of float32 training the same model (the steps
     # lost before the move aside).
@@ -306,7 +308,7 @@ def test_a_move_whose_step_cannot_trace_moves_the_enclosing_block_instead():
     assert (
         "with the layers inside it" in kmp.precision_report(model).row("block/up").rule
     )
-    assert np.isfinite(history.history["loss"]).all()
+    assert np.isfinite(history.history["applied_loss"]).all()
 
 
 def test_a_move_is_checked_at_once_so_validation_right_after_it_runs(tmp_path):
@@ -553,7 +555,7 @@ def test_a_keras_hub_llama_whose_feed_forward_overflows_heals_and_trains():
     assert block._feedforward_gate_dense.compute_dtype == "float32"
     # What is outside the block stays in float16.
     assert backbone.get_layer("sequence_output_layernorm").compute_dtype == "float16"
-    assert np.isfinite(history.history["loss"][-1])
+    assert np.isfinite(history.history["applied_loss"][-1])
     assert healer.forward_overflows == int(lm.optimizer.skipped_steps_total) <= 2
 
 
@@ -579,7 +581,7 @@ def test_the_overflow_healing_example_foresees_diagnoses_heals_and_keeps_the_mov
     step = int(text.split("healed at step ")[1].split(":")[0])
     assert step <= 50
     first, last = (
-        float(v) for v in text.split("   loss ")[1].split(",")[0].split(" -> ")
+        float(v) for v in text.split("   applied_loss ")[1].split(",")[0].split(" -> ")
     )
     assert last < 0.6 * first
     assert "ffn_up computes in float32; forward overflows after the resume: 0" in text

@@ -29,7 +29,12 @@ def test_without_loss_scaling_history_shows_skipped_steps_and_no_scale():
         x = np.ones((4, 2), "float32")
         x[3] = np.nan
         history = model.fit(x, np.ones((4, 1)), batch_size=2, verbose=0, epochs=2)
-        assert set(history.history) == {"loss", "skipped_steps", "skipped_steps_total"}
+        assert set(history.history) == {
+            "loss",
+            "applied_loss",
+            "skipped_steps",
+            "skipped_steps_total",
+        }
         assert history.history["skipped_steps_total"] == [1.0, 2.0]
 
 
@@ -58,6 +63,7 @@ def test_evaluate_and_validation_are_unchanged_by_telemetry():
     history = model.fit(x, y, validation_data=(x, y), verbose=0)
     assert set(history.history) == {
         "loss",
+        "applied_loss",
         "loss_scale",
         "skipped_steps",
         "skipped_steps_total",
@@ -148,7 +154,7 @@ def small_regression():
     )
 
 
-def test_a_skipped_step_leaves_the_epochs_loss_finite_and_counted(capsys):
+def test_loss_stays_keras_own_and_applied_loss_is_the_mean_of_applied_steps(capsys):
     kmp.set_policy("mixed_float16")
     x, y = overflowing_batches()
     # Plain Keras: the skipped step's loss makes the epoch's loss NaN.
@@ -172,11 +178,17 @@ def test_a_skipped_step_leaves_the_epochs_loss_finite_and_counted(capsys):
         if i != 16
     ]
     assert history.history["skipped_steps"] == [1.0, 1.0]
+    # `loss` is what plain Keras logs: the skipped step's NaN counts in it.
+    assert np.isnan(history.history["loss"]).all()
     # Each epoch's own applied steps (the count restarts at each epoch, and
     # validation in between changes nothing).
-    assert history.history["loss"] == pytest.approx([np.mean(applied)] * 2, rel=1e-3)
+    assert history.history["applied_loss"] == pytest.approx(
+        [np.mean(applied)] * 2, rel=1e-3
+    )
     assert np.isfinite(history.history["val_loss"]).all()
-    assert "loss: nan" not in line and "skipped_steps: 1" in line
+    assert "val_applied_loss" not in history.history
+    assert " loss: nan" in line and "applied_loss: " in line
+    assert "skipped_steps: 1" in line
 
 
 def test_an_epoch_without_skips_keeps_keras_own_loss():

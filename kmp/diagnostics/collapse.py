@@ -11,18 +11,7 @@ from kmp.diagnostics import debug
 from kmp.precision import policy as policy_lib
 from kmp.precision import quantization
 from kmp.scaling import optimizer as optimizer_lib
-
-
-class TrainingCollapsedError(RuntimeError):
-    """Training stalled: the loss scale sits at its floor and steps keep
-    being skipped. `cause` is `'forward'` or `'gradient'`; `layers` names the
-    layers involved; `report` is the full diagnosis text."""
-
-    def __init__(self, report: str, cause: str, layers: tuple[str, ...]):
-        super().__init__(report)
-        self.report = report
-        self.cause = cause
-        self.layers = layers
+from kmp.training.stall import TrainingCollapsedError
 
 
 def diagnose(

@@ -17,6 +17,8 @@ from kmp.diagnostics.collapse import TrainingCollapsedError
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.scaling import registry
 from kmp.scaling import state as ls_state
+from kmp.training import stall
+from kmp.training import train_function
 
 logger = logging.getLogger("kmp")
 
@@ -49,6 +51,10 @@ class NonFiniteGuard(keras.callbacks.Callback):
     Put it after a `LossScaleMonitor` in the callbacks list so that the
     monitor records the last step before the guard stops the run.
 
+    Without it, `fit` under `kmp.compile` still raises a
+    `TrainingCollapsedError` after 10 such steps (`kmp.training.stall`);
+    a `fit` with a guard leaves that check to the guard.
+
     It reads what it needs from the batch logs, which Keras has already
     read from the device: the running `skipped_steps_total` and the
     `loss_scale` that `kmp.compile` puts there (`kmp.telemetry`). It reads
@@ -77,7 +83,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def __init__(
         self,
-        max_consecutive_skips: int = 10,
+        max_consecutive_skips: int = stall.STALLED_AFTER,
         on_collapse: str = "raise",
         probe: Any = None,
         probe_targets: Any = None,
@@ -114,7 +120,18 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self._total: int | None = None
         self._steps_done = 0  # train steps of this epoch, at the last batch end
 
+    def _watch(self, on: bool) -> None:
+        """Has kmp's own check for a stalled run leave this `fit` to the
+        guard (`on`), or take it back."""
+        function = getattr(self.model, "train_function", None)
+        if isinstance(function, train_function.TrainFunction):
+            function.watched_by(self if on else None)
+
+    def on_train_end(self, logs=None):
+        self._watch(False)
+
     def on_train_begin(self, logs=None):
+        self._watch(True)
         opt = optimizer_lib.of_model(self.model)
         self._in_a_row = self._total = None
         if opt is not None:  # one read per fit: where the logs count from
@@ -218,6 +235,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             self.probe_targets,
         )
         if self.on_collapse == "raise":
+            self._watch(False)
             raise self.diagnosis
         logger.warning("%s", self.diagnosis.report)
         if self.on_collapse == "stop":

@@ -99,8 +99,8 @@ from typing import Any
 import keras
 
 from kmp._base import warn as _warn
-from kmp.precision import policy as policy_lib
 from kmp.precision import names
+from kmp.precision import policy as policy_lib
 
 logger = logging.getLogger("kmp")
 

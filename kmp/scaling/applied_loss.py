@@ -1,14 +1,13 @@
-"""The mean loss of the steps that were applied.
+"""The mean loss of the steps that were applied, logged as `applied_loss`.
 
 Keras's `loss` in the progress bar and in `History` is the mean of every
-step's loss in the epoch. A step kmp skips (its gradients overflowed) often
-has an inf/NaN loss, and one such step makes that mean NaN for the rest of
-the epoch, although the step changed nothing. `kmp.LossScaleOptimizer`
-keeps the sum and count of the losses of the steps it applied (recorded in
-`scale_loss`, settled in `apply`), and kmp's telemetry shows their mean as
-`loss` where a skipped step made Keras's value inf/NaN; everywhere else
-`loss` is Keras's own value, untouched. With gradient accumulation, the
-losses counted are those of the micro-batches whose gradients were finite.
+step's loss in the epoch, and kmp leaves it so. A step kmp skips (its
+gradients were inf/NaN) may have an inf/NaN loss, which makes that mean
+inf/NaN for the rest of the epoch. `kmp.LossScaleOptimizer` keeps the sum
+and count of the losses of the steps it applied (recorded in `scale_loss`,
+settled in `apply`), and kmp's telemetry logs their mean beside `loss` as
+`applied_loss`. With gradient accumulation, the losses counted are those of
+the micro-batches whose gradients were finite.
 """
 
 from __future__ import annotations
@@ -72,11 +71,11 @@ class AppliedLoss:
         return self.total / tf.cast(self.steps, tf.float32)
 
 
-def loss_in_logs(model: Any, metric: Any, opt: Any, skipped: Any):
-    """The `loss` kmp's telemetry `metric` logs for `model` trained by `opt`:
-    Keras's own, or where a skipped step made it inf/NaN the mean loss of the
-    applied steps; None where kmp leaves `loss` alone (several replicas, no
-    single loss tracker, nothing recorded yet)."""
+def logged(model: Any, metric: Any, opt: Any):
+    """The `applied_loss` kmp's telemetry `metric` logs for `model`, trained
+    by `opt` alone: the mean loss of the steps applied this epoch (NaN before
+    the first). None where it is not logged: several replicas, no single
+    Keras `loss` beside it, or no loss recorded by `opt.scale_loss`."""
     if model is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
         return None
     trackers = [
@@ -84,14 +83,7 @@ def loss_in_logs(model: Any, metric: Any, opt: Any, skipped: Any):
         for m in model.metrics
         if m is not metric and m.name == "loss" and isinstance(m, keras.metrics.Mean)
     ]
-    if len(trackers) != 1:
-        return None
     applied = opt.applied_loss
-    if not applied.built:
+    if len(trackers) != 1 or not applied.built or not opt.loss_recorded:
         return None
-    keras_loss = tf.cast(trackers[0].result(), tf.float32)
-    replace = tf.logical_and(
-        tf.logical_and(skipped > 0, applied.steps > 0),
-        tf.logical_not(tf.math.is_finite(keras_loss)),
-    )
-    return tf.where(replace, applied.mean(), keras_loss)
+    return applied.mean()

@@ -16,11 +16,10 @@ What it reads, per optimizer:
 * Keras's own `keras.optimizers.LossScaleOptimizer`: `loss_scale` (Keras
   counts no skipped steps).
 
-Where a step skipped by a single `kmp.LossScaleOptimizer` had an inf/NaN
-loss, which makes Keras's mean over every step NaN for the rest of the
-epoch, `loss` is the mean loss of the steps it applied (`kmp.scaling.applied_loss`);
-`skipped_steps` beside it counts what was left out. Everywhere else, and on
-several replicas, `loss` is Keras's own.
+`loss` is always Keras's own value. Beside it, a model trained by a single
+`kmp.LossScaleOptimizer` on one replica also logs `applied_loss`: the mean
+loss of the steps it applied (`kmp.scaling.applied_loss`). Where skipped
+steps had an inf/NaN loss, `loss` is NaN and `applied_loss` is what trained.
 
 A model compiled with several optimizers (`kmp.compile(gan,
 d_optimizer=..., g_optimizer=...)`) logs each under its argument's name:
@@ -124,11 +123,9 @@ class LossScaleTelemetry(keras.metrics.Metric):
                 values = _values(opt, prefix, self.start_variable(label))
                 logs.update(values)
                 if len(optimizers) == 1:
-                    loss = applied_loss.loss_in_logs(
-                        self._model_ref(), self, opt, values["skipped_steps"]
-                    )
-                    if loss is not None:
-                        logs["loss"] = loss  # replaces Keras's (same name)
+                    mean = applied_loss.logged(self._model_ref(), self, opt)
+                    if mean is not None:
+                        logs["applied_loss"] = mean
             elif isinstance(opt, keras.optimizers.LossScaleOptimizer):
                 scale = loss_scale_of(opt)
                 if scale is not None and graph.assigned_here(scale):

@@ -38,6 +38,10 @@ the values travel with the logs, which Keras reads when it reads the loss).
 telemetry metric at each epoch start (it is among `model.metrics`; a model
 that overrides `metrics` gets `skipped_steps_total`). `train_on_batch`
 returns the step's logs as the `train_step` wrote them.
+
+After each call from `fit`, it stops a run that trains nothing
+(`kmp.training.stall`), unless a `kmp.callbacks.NonFiniteGuard` watches
+this `fit` (`watched_by`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from kmp.planning import apply as plan_apply
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
 from kmp.scaling.optimizer import applies_recorded
+from kmp.training import stall
 
 # (model, per_epoch) -> the telemetry logs read after a step; (model) ->
 # whether the per-epoch count can be reported. `kmp.telemetry` provides them.
@@ -92,6 +97,7 @@ class TrainFunction:
         self._adds: bool | None = None  # decided at the first step from fit
         self._per_epoch = False
         self._check = True  # whether the next step's applies are checked
+        self._watcher: Callable[[], Any] | None = None  # see `watched_by`
 
     def optimizers_changed(self) -> None:
         """The optimizers kmp reports for the model changed
@@ -127,7 +133,11 @@ class TrainFunction:
             self._complete_plan = False
             if plan_apply.ready(model) and plan_apply.complete(model):
                 self._inner = self._keras_function(model)
-        if not _from_fit(iterator) or not isinstance(logs, dict):
+        if not _from_fit(iterator):
+            return logs
+        if self._watcher is None or self._watcher() is None:
+            stall.check(model)
+        if not isinstance(logs, dict):
             return logs
         if self._adds is None:
             self._per_epoch = self._epoch_check(model)
@@ -137,6 +147,13 @@ class TrainFunction:
             return logs
         extra = self._logs(model, self._per_epoch)
         return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+
+    def watched_by(self, guard: Any) -> None:
+        """Leaves the check for a stalled run to `guard` (a
+        `kmp.callbacks.NonFiniteGuard`, from its `fit`'s start), or takes it
+        back (None, at its end). Held by a weak reference: a guard no longer
+        in use gives the check back."""
+        self._watcher = None if guard is None else weakref.ref(guard)
 
     def _step(self, model: keras.Model, iterator: Any) -> Any:
         """One call of the step: the first, a changed one, or Keras's."""

@@ -1,0 +1,93 @@
+"""A run that trains nothing stops loudly by default (kmp.training.stall)."""
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.training import stall
+
+
+def mlp(activation=None):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation=activation),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def overflowing(n=96):
+    """Inputs that overflow float16 (max 65504) in the forward pass."""
+    return np.full((n, 4), 1e5, "float32"), np.ones((n, 1), "float32")
+
+
+def test_a_float16_run_whose_every_step_overflows_raises():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    x, y = overflowing()
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
+        model.fit(x, y, batch_size=1, epochs=3, verbose=0)
+    error = caught.value
+    assert error.cause == "forward"
+    assert "loss scale at its floor (1)" in str(error)
+    assert "kmp.debug.find_nonfinite(model, x_batch)" in str(error)
+    opt = model.optimizer
+    # It stops once the scale has nothing left to lower, not after 96 steps.
+    assert int(opt.skipped_steps_total) < 96
+    assert int(opt.consecutive_skips) >= stall.STALLED_AFTER
+    assert float(opt.loss_scale) == opt.config.min_scale
+    for weight, initial in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(weight, initial)
+
+
+def test_a_bfloat16_run_whose_nan_inputs_a_relu_hides_raises():
+    # The loss stays finite and flat while every step is skipped.
+    kmp.set_policy("mixed_bfloat16")
+    model = kmp.compile(mlp("relu"), optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).random((64, 4)).astype("float32")
+    x[:, 0] = np.nan
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
+        model.fit(x, np.ones((64, 1)), batch_size=4, epochs=6, verbose=0)
+    assert caught.value.cause == "gradient"
+    assert "without loss scaling" in str(caught.value)
+    assert int(model.optimizer.skipped_steps_total) == stall.STALLED_AFTER
+
+
+def test_skips_while_the_scale_still_falls_do_not_stop_the_run():
+    kmp.set_policy("mixed_float16")
+    opt = kmp.LossScaleOptimizer("sgd", min_scale=2.0**-20)
+    model = kmp.compile(mlp(), optimizer=opt, loss="mse")
+    x, y = overflowing(30)  # 2**15 halves 30 times: still above 2**-20
+    history = model.fit(x, y, batch_size=1, verbose=0)
+    assert history.history["skipped_steps"] == [30]
+    assert float(opt.loss_scale) > opt.config.min_scale  # precondition
+
+
+def test_a_non_finite_guard_in_callbacks_takes_the_check_over():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    x, y = overflowing()
+    guard = kmp.callbacks.NonFiniteGuard(on_collapse="warn")
+    history = model.fit(x, y, batch_size=3, epochs=3, verbose=0, callbacks=[guard])
+    assert history.history["skipped_steps"] == [32, 32, 32]
+    assert guard.diagnosis is not None and guard.diagnosis.cause == "forward"
+    # The next fit without the guard is checked again.
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError):
+        model.fit(x, y, batch_size=1, verbose=0)
+
+
+def test_the_guard_that_raised_gives_the_check_back():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    x, y = overflowing()
+    guard = kmp.callbacks.NonFiniteGuard(max_consecutive_skips=40)
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError):
+        model.fit(x, y, batch_size=1, verbose=0, callbacks=[guard])
+    assert int(model.optimizer.consecutive_skips) == 40  # the guard's, not 10
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
+        model.fit(x, y, batch_size=1, verbose=0)
+    assert caught.value is not guard.diagnosis
