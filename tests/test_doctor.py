@@ -239,3 +239,65 @@ def test_doctor_is_silent_on_the_remapper_where_kmp_never_switches_it(monkeypatc
     report = kmp.doctor()
     assert report.remapper.enabled and not report.remapper.managed
     assert not any("remapp" in w for w in report.warnings)
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _bytes(cell: str) -> float:
+    """The size a memory cell shows ('644 B', '1.3 KiB (Adam)'), in bytes."""
+    number, unit = cell.split()[:2]
+    return float(number) * _UNITS[unit]
+
+
+def _memory_row(out: str, policy: str) -> dict[str, str]:
+    """The cells of `policy`'s row in `kmp doctor --model`'s memory table,
+    by the first word of their column's header."""
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("policy "))
+    header = re.split(r"\s{2,}", lines[at].strip())
+    row = next(line for line in lines[at:] if line.startswith(f"{policy} "))
+    cells = re.split(r"\s{2,}", row.strip())
+    return {name.split()[0]: cell for name, cell in zip(header, cells, strict=True)}
+
+
+@pytest.mark.parametrize(
+    "inputs, width, weights, optimizer",
+    [
+        # 161 float32 weights: each figure is a few hundred bytes, under
+        # the 0.05 MB that one decimal of MB shows as 0.0.
+        (8, 16, "644 B", "1.3 KiB (Adam)"),
+        # 1,050,625 float32 weights: 4.0 MiB, Adam's two moments 8.0 MiB.
+        (1024, 1024, "4 MiB", "8 MiB (Adam)"),
+    ],
+)
+def test_doctor_shows_a_models_memory_in_a_unit_that_keeps_small_figures(
+    tmp_path, capsys, inputs, width, weights, optimizer
+):
+    import keras
+
+    model = keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    argv = ["doctor", "--model", path, "--policies", "float32"]
+    assert kmp_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    row = _memory_row(out, "float32")
+    assert (row["weights"], row["optimizer"]) == (weights, optimizer)
+    # The step holds at least the gradients it returns, one per weight,
+    # also where the allocator's count misses small tensors (to the 5% that
+    # one decimal rounds).
+    gradients = 4 * model.count_params()
+    assert _bytes(row["step"]) >= 0.95 * gradients, row
+    held = sum(_bytes(row[column]) for column in ("weights", "optimizer", "step"))
+    assert _bytes(row["total"]) >= 0.95 * held, row
+    if not hardware.capabilities().gpus:
+        # A CPU's count misses tensors under 256 KiB: the output says so.
+        assert "misses tensors under 256 KiB" in out

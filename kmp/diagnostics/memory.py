@@ -13,6 +13,11 @@ are measured: two forward and backward passes, at two small batch sizes, in
 a `tf.function` as `fit` runs its step; their difference gives the memory
 per sample, and the rest is what does not grow with the batch (the
 gradients among it).
+On a CPU, TensorFlow's allocator (oneDNN's) does not count requests under
+256 KiB: the measurement leaves out the step's smaller tensors, all of them
+in a small model. The step is then counted as at least its gradients (the
+tensors it returns), and the estimate says what it could not see
+(`MemoryEstimate.uncounted_below_mb`).
 Input data are not counted: where they live depends on the input pipeline.
 """
 
@@ -32,6 +37,9 @@ from kmp.internals import keras_private
 MIB = 2**20
 # The two batch sizes the step is measured at.
 PROBE_BATCHES = (4, 16)
+# The tensor sizes tried to find the smallest that the memory count sees:
+# powers of two from 256 bytes (the GPU allocator's smallest block) to 16 MiB.
+_PROBE_SIZES = tuple(2**k for k in range(8, 25))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,12 @@ class MemoryEstimate:
 
     `total_mb(batch)` is the estimate at a batch size: weights, optimizer
     state, the step's fixed part, and `per_sample_mb` per sample.
+
+    Where `uncounted_below_mb` is above 0 (on a CPU: 0.25, TensorFlow's
+    allocator counts no tensor under 256 KiB there), `step_mb` and
+    `per_sample_mb` leave out the step's tensors smaller than that: they are
+    lower bounds (each measured peak is at least the gradients the step
+    returns).
     """
 
     weights_mb: float  # every variable of the model, as stored
@@ -48,6 +62,7 @@ class MemoryEstimate:
     gradients_mb: float  # one gradient per trainable variable (in step_mb)
     step_mb: float  # the step's tensors that do not grow with the batch
     per_sample_mb: float  # and those that do, per sample
+    uncounted_below_mb: float = 0.0  # tensors under this were not measured
 
     def total_mb(self, batch_size: int) -> float:
         """The estimated peak of live tensors at `batch_size`."""
@@ -141,9 +156,42 @@ def _stand_ins(variables) -> list:
     return stand_ins
 
 
+def _device() -> str:
+    """The device a step runs on, whose memory is measured."""
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    """The bytes of a gradient as returned: a tensor, or the values and
+    indices of `tf.IndexedSlices` (an embedding's); 0 for None."""
+    if tensor is None:
+        return 0
+    if isinstance(tensor, tf.IndexedSlices):
+        return _tensor_bytes(tensor.values) + _tensor_bytes(tensor.indices)
+    return int(tf.size(tensor)) * tensor.dtype.size
+
+
+def _smallest_counted(device: str) -> int:
+    """The smallest tensor, in bytes, that TensorFlow's memory count on
+    `device` sees, of `_PROBE_SIZES`: 0 where the smallest is seen (a GPU),
+    256 KiB on a CPU (oneDNN's allocator sends smaller requests to a pool it
+    does not count), the largest tried where none is seen."""
+    for size in _PROBE_SIZES:
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        with tf.device(device):
+            probe = tf.fill((size // 4,), 1.0)
+        seen = tf.config.experimental.get_memory_info(device)["current"] > before
+        del probe
+        if seen:
+            return 0 if size == _PROBE_SIZES[0] else size
+    return _PROBE_SIZES[-1]
+
+
 def _step_peak(model: keras.Model, batch: Any) -> int:
     """The peak of live tensors above those live before, over one forward
-    and backward pass on `batch`."""
+    and backward pass on `batch`: at least the gradients it returns, which
+    are live together at its end (a CPU's count misses tensors under 256
+    KiB)."""
     variables = model.trainable_variables
 
     @tf.function
@@ -160,13 +208,14 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
         return tape.gradient(loss, variables)
 
     step.get_concrete_function(batch)  # traced before the measurement
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    device = _device()
     tf.config.experimental.reset_memory_stats(device)
     before = tf.config.experimental.get_memory_info(device)["current"]
     grads = step(batch)
     peak = tf.config.experimental.get_memory_info(device)["peak"]
+    returned = sum(map(_tensor_bytes, grads))
     del grads
-    return peak - before
+    return max(peak - before, returned)
 
 
 def estimate_memory(
@@ -187,6 +236,8 @@ def estimate_memory(
 
     Returns:
         A `MemoryEstimate` (`total_mb(batch_size)`, `largest_batch(budget)`).
+        On a CPU, its step figures leave out tensors under 256 KiB
+        (`uncounted_below_mb`).
 
     Example:
 
@@ -216,4 +267,5 @@ def estimate_memory(
         gradients_mb=_bytes(model.trainable_variables) / MIB,
         step_mb=max(0.0, small - per_sample * PROBE_BATCHES[0]) / MIB,
         per_sample_mb=per_sample / MIB,
+        uncounted_below_mb=_smallest_counted(_device()) / MIB,
     )

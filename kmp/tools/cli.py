@@ -221,23 +221,45 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
         f"training at batch {args.batch_size} (TensorFlow's runtime not counted; "
         "the step measured by two small forward and backward passes)\n"
     )
-    header = ["policy", "weights MB", "optimizer MB", "step MB", "per sample MB"]
-    header += [f"total MB at {args.batch_size}"]
+    header = ["policy", "weights", "optimizer", "step", "per sample"]
+    header += [f"total at {args.batch_size}"]
     header += [f"largest batch in {args.memory_budget}"] if budget else []
     rows = []
     for name, r in results.items():
         row = [
             name,
-            f"{r['weights_mb']:.1f}",
-            f"{r['optimizer_mb']:.1f} ({r['optimizer']})",
-            f"{r['step_mb']:.1f}",
-            f"{r['per_sample_mb']:.2f}",
-            f"{r['total_mb']:.0f}",
+            _size(r["weights_mb"]),
+            f"{_size(r['optimizer_mb'])} ({r['optimizer']})",
+            _size(r["step_mb"]),
+            _size(r["per_sample_mb"]),
+            _size(r["total_mb"]),
         ]
         largest = "no bound" if r["largest_batch"] is None else str(r["largest_batch"])
         rows.append(row + ([largest] if budget else []))
     print(format_table(header, rows))
+    uncounted = max(r["uncounted_below_mb"] for r in results.values())
+    if uncounted:
+        print(
+            f"\nstep and per sample: TensorFlow's memory count here misses "
+            f"tensors under {_size(uncounted)}, so these figures leave them out. "
+            "They are lower bounds: a model whose tensors are all smaller shows "
+            "its gradients as its step, and no growth per sample."
+        )
     return results
+
+
+def _size(mib: float) -> str:
+    """A size given in MiB, in the unit that shows it: bytes under 1 KiB,
+    then KiB, MiB and GiB (powers of 1024, as --memory-budget reads them),
+    to one decimal ("644 B", "1.3 KiB", "256 KiB", "1.5 GiB")."""
+    size, unit = mib * 2**20, "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if round(size, 0 if unit == "B" else 1) < 1024:
+            break
+        size, unit = size / 1024, larger
+    if unit == "B":
+        return f"{size:.0f} B"
+    return f"{size:.1f}".removesuffix(".0") + f" {unit}"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
