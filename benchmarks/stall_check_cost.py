@@ -1,0 +1,82 @@
+"""What does the default check for a stalled run cost per train step?
+
+After each call of the train function from `fit`, kmp reads each
+loss-scale optimizer's count of steps skipped in a row (one scalar read;
+`kmp.training.stall`). This trains the same model under `mixed_float16`
+two ways, interleaved (see _timing.py):
+
+- checked:   `kmp.compile`, as users run it;
+- unchecked: the same, with the check handed to an object that never
+             checks (`TrainFunction.watched_by`, as a NonFiniteGuard does).
+
+Small batches make the step short, so that a per-step cost shows.
+
+Run: python benchmarks/stall_check_cost.py [--repeats 15] [--batch-size 32]
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import tensorflow as tf
+from _timing import interleaved
+from _timing import summary
+from loss_scale_overhead import data
+from loss_scale_overhead import mlp
+
+import kmp
+
+
+class _NoCheck:
+    """Stands in for a NonFiniteGuard: it holds the check and never runs it."""
+
+
+def build(variant, keep):
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(
+        mlp(),
+        optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    if variant == "unchecked":
+        model.train_function.watched_by(keep)
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this process's CPU time (steadier on shared cores)",
+    )
+    args = parser.parse_args()
+    tf.config.optimizer.set_experimental_options({"remapping": False})
+    x, y = data(args.steps, args.batch_size)
+    keep = _NoCheck()
+    models = {v: build(v, keep) for v in ("unchecked", "checked")}
+
+    def run(variant):
+        models[variant].fit(x, y, batch_size=args.batch_size, verbose=0)
+
+    runs = {v: (lambda v=v: run(v)) for v in models}
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    result = {"benchmark": "stall_check_cost", "clock": args.clock}
+    result["batch_size"] = args.batch_size
+    result.update(
+        summary(interleaved(runs, args.repeats, clock), args.steps, "unchecked")
+    )
+    result["tensorflow"], result["keras"] = tf.__version__, keras.__version__
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
