@@ -6,7 +6,6 @@
 """
 
 from kmp import callbacks
-from kmp import compiled_by
 from kmp import debug
 from kmp import distribute
 from kmp import fused
@@ -58,7 +57,6 @@ __all__ = [
     "callbacks",
     "clear_layer_policies",
     "compile",
-    "compiled_by",
     "debug",
     "distribute",
     "doctor",

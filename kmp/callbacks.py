@@ -12,16 +12,10 @@ from kmp.diagnostics.guard import NonFiniteGuard
 from kmp.diagnostics.healing import Heal
 from kmp.diagnostics.healing import OverflowHealer
 from kmp.diagnostics.monitor import LossScaleMonitor
-from kmp.diagnostics.records import CSV_FIELDS
-from kmp.diagnostics.records import PLOT_DPI
-from kmp.diagnostics.records import PLOT_SIZE_INCHES
 from kmp.diagnostics.records import StepRecord
 from kmp.diagnostics.records import plot_records
 
 __all__ = [
-    "CSV_FIELDS",
-    "PLOT_DPI",
-    "PLOT_SIZE_INCHES",
     "Heal",
     "LossScaleMonitor",
     "NonFiniteGuard",

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import kmp
+from kmp.scaling.telemetry import LossScaleTelemetry
 
 
 def test_attach_is_idempotent_and_reports_nothing_without_kmp_optimizer():
@@ -12,9 +13,7 @@ def test_attach_is_idempotent_and_reports_nothing_without_kmp_optimizer():
     model.compile(optimizer="sgd", loss="mse")
     kmp.telemetry.attach(model)
     kmp.telemetry.attach(model)
-    telemetry = [
-        m for m in model.metrics if isinstance(m, kmp.telemetry.LossScaleTelemetry)
-    ]
+    telemetry = [m for m in model.metrics if isinstance(m, LossScaleTelemetry)]
     assert len(telemetry) == 1
     history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
     assert set(history.history) == {"loss"}

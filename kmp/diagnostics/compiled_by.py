@@ -66,7 +66,7 @@ def note_compiled_without_kmp(model: Any, tool: str) -> bool:
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> kmp.compiled_by.note_compiled_without_kmp(model, "my tool")
+    >>> note_compiled_without_kmp(model, "my tool")
     True
     """
     if not compiled_without_kmp(model):

@@ -42,8 +42,6 @@ from kmp.scaling import registry
 
 logger = logging.getLogger("kmp")
 
-LOG_KEYS = ("loss_scale", "skipped_steps", "skipped_steps_total")
-
 
 def loss_scale_of(optimizer: Any):
     """The loss-scale variable of an optimizer that scales the loss (kmp's

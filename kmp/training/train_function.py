@@ -75,9 +75,9 @@ class TrainFunction:
         model: The model compiled.
         complete_plan: Whether to apply kmp's precision plan again once the
             model is built (it was not built when it was compiled).
-        logs: Reads the telemetry after a step (`kmp.telemetry.step_logs`).
+        logs: Reads the telemetry after a step (`kmp.scaling.telemetry.step_logs`).
         per_epoch: Whether the per-epoch skip count can be reported
-            (`kmp.telemetry.metric_in_metrics`).
+            (`kmp.scaling.telemetry.metric_in_metrics`).
     """
 
     def __init__(
