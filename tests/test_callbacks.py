@@ -417,3 +417,20 @@ def test_guard_counts_the_skips_in_a_row_across_fits():
     with pytest.raises(TrainingCollapsedError):  # the third in a row
         model.fit(np.flip(x, 0), np.ones((32, 1)), **fit)
     assert ends[0] == 5 and reads == [0, 4]  # at the start of each fit
+
+
+def test_monitor_records_the_applied_steps_loss_after_a_skipped_inf_step():
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    kmp.compile(model, optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 1), "float32")
+    x[8:16] = 1e30  # the second batch overflows float16: its loss is inf
+    monitor = LossScaleMonitor()
+    history = model.fit(
+        x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor]
+    )
+    assert [r.skipped for r in monitor.records] == [0, 1, 0, 0]
+    assert not np.isfinite(history.history["loss"][0])  # Keras's own mean
+    # The record follows what trained: finite after the skipped step.
+    assert np.isfinite([r.loss for r in monitor.records]).all()

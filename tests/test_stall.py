@@ -36,8 +36,8 @@ def test_a_float16_run_whose_every_step_overflows_raises():
     assert "loss scale at its floor (1)" in str(error)
     assert "kmp.debug.find_nonfinite(model, x_batch)" in str(error)
     opt = model.optimizer
-    # It stops once the scale has nothing left to lower, not after 96 steps.
-    assert int(opt.skipped_steps_total) < 96
+    # 15 skips halve 2**15 to the floor, 1; the 16th, at the floor, stops it.
+    assert int(opt.skipped_steps_total) == 16
     assert int(opt.consecutive_skips) >= stall.STALLED_AFTER
     assert float(opt.loss_scale) == opt.config.min_scale
     for weight, initial in zip(model.get_weights(), before, strict=True):
@@ -91,3 +91,25 @@ def test_the_guard_that_raised_gives_the_check_back():
     with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
         model.fit(x, y, batch_size=1, verbose=0)
     assert caught.value is not guard.diagnosis
+
+
+def test_a_floor_float32_cannot_hold_exactly_is_still_the_floor():
+    kmp.set_policy("mixed_float16")
+    opt = kmp.LossScaleOptimizer("sgd", initial_scale=2.0, min_scale=0.1)
+    model = kmp.compile(mlp(), optimizer=opt, loss="mse")
+    x, y = overflowing(40)
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError, match="floor"):
+        model.fit(x, y, batch_size=1, verbose=0)
+    # 2 -> 1 -> 0.5 -> 0.25 -> 0.125 -> 0.1 (float32: 0.100000001...), then
+    # skipped there until 10 in a row, and one more at the floor.
+    assert int(opt.skipped_steps_total) == 11
+
+
+def test_a_static_scale_stops_after_ten_skips():
+    kmp.set_policy("mixed_float16")
+    opt = kmp.LossScaleOptimizer("sgd", initial_scale=8.0, mode="static")
+    model = kmp.compile(mlp(), optimizer=opt, loss="mse")
+    x, y = overflowing(40)
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError, match="static"):
+        model.fit(x, y, batch_size=1, verbose=0)
+    assert int(opt.skipped_steps_total) == stall.STALLED_AFTER

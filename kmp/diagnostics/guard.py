@@ -124,6 +124,10 @@ class NonFiniteGuard(keras.callbacks.Callback):
         """Has kmp's own check for a stalled run leave this `fit` to the
         guard (`on`), or take it back."""
         function = getattr(self.model, "train_function", None)
+        # It watches `model.optimizer` only: a model trained by several
+        # optimizers (a GAN's) keeps kmp's check.
+        if optimizer_lib.of_model(self.model) is None:
+            return
         if isinstance(function, train_function.TrainFunction):
             function.watched_by(self if on else None)
 
@@ -210,7 +214,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             scale = self._logged(logs, opt, "loss_scale")
             if scale is None:
                 scale = _numpy(opt.loss_scale)
-            at_floor = scale <= opt.config.min_scale
+            at_floor = scale <= np.float32(opt.config.min_scale)
         if not at_floor:
             return None
         return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"

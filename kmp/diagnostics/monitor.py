@@ -285,7 +285,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 self._writer.amend(was, last)
             return
         logs = self._last_logs
-        loss = float(logs.get("loss", float("nan")))
+        # What trained: a skipped step's NaN loss makes Keras's epoch mean
+        # NaN for the rest of the epoch, which would hide the recovery.
+        loss = float(logs.get("applied_loss", logs.get("loss", float("nan"))))
         opt = self._optimizer()
         scale_variable = telemetry.loss_scale_of(opt)
         scale = None

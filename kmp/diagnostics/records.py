@@ -49,6 +49,8 @@ def _check_writable_file(path: str, what: str) -> None:
 class StepRecord:
     """One row of the monitor's log.
 
+    `loss` is the epoch's mean loss so far over the applied steps
+    (`applied_loss`) where the logs have it, else Keras's `loss`.
     `overflow_layers` names the layers whose gradients were non-finite at the
     last skipped step of the interval; `forward` is True when the loss itself
     was inf/NaN (a forward overflow: every gradient is then non-finite).
@@ -89,7 +91,7 @@ def plot_records(records: list[StepRecord], path: str) -> None:
     steps = [r.step for r in records]
     skipped = [r for r in records if r.skipped]
     loss_ax.plot(steps, [r.loss for r in records], color="tab:blue")
-    loss_ax.set_ylabel("loss (epoch mean so far)")
+    loss_ax.set_ylabel("loss (epoch mean of applied steps)")
     loss_ax.set_title("kmp: loss and loss scale")
     scaled = [r for r in records if r.loss_scale is not None]
     if scaled:

@@ -221,7 +221,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         object.__setattr__(
             self, "_overflow", overflow_lib.OverflowRecord(self._state_variable)
         )
-        # The losses of the applied steps, for fit's `loss` (kmp.scaling.applied_loss);
+        # The losses of the applied steps, for `applied_loss` in fit's logs;
         # its variables come last in build.
         object.__setattr__(self, "_applied_loss", applied_loss_lib.AppliedLoss())
         # Set by kmp.callbacks.OverflowHealer (`watch_forward`).

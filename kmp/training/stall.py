@@ -7,9 +7,10 @@ After each call of the train function from `fit`, kmp reads each
 `STALLED_AFTER` with nothing left to lower, `fit` raises a
 `TrainingCollapsedError` that says why and what to do.
 
-"Nothing left to lower" means the scale is at its floor (`min_scale`), fixed
-(mode `'static'`), or not used (mode `'none'`: bfloat16, float32). A dynamic
-scale still falling is not stalled: each skip halves it.
+"Nothing left to lower" means the scale is fixed (mode `'static'`), not
+used (mode `'none'`: bfloat16, float32), or at its floor (`min_scale`) with
+a step skipped there too. A dynamic scale still falling is not stalled:
+each skip halves it.
 
 `kmp.callbacks.NonFiniteGuard` checks the same thing, configurably: a
 `fit` that has one among its callbacks leaves the check to it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
@@ -48,42 +50,77 @@ def _number(variable: Any) -> Any:
     return variable.numpy().item()
 
 
-def check(model: keras.Model) -> None:
-    """Raises `TrainingCollapsedError` where one of the optimizers kmp
-    reports for `model` skipped its last `STALLED_AFTER` steps with nothing
-    left to lower (see the module docstring). Reads one counter per
-    optimizer; the scale and the cause only when that count is reached."""
-    optimizers = registry.optimizers_of(model)
-    for label, opt in optimizers.items():
-        if not isinstance(opt, LossScaleOptimizer):
-            continue
+class StallCheck:
+    """The check kmp's train function runs after each call from `fit` (see
+    the module docstring). It keeps, per optimizer, the count of skips in a
+    row at which it first saw the scale at its floor: a dynamic scale is
+    stalled only once a step at the floor was skipped too."""
+
+    def __init__(self):
+        self._floor_seen_at: dict[int, int] = {}
+
+    def __call__(self, model: keras.Model) -> None:
+        """Raises `TrainingCollapsedError` where an optimizer kmp reports for
+        `model` stalled. Reads one counter per optimizer; the scale and the
+        cause only once that count reaches `STALLED_AFTER`."""
+        optimizers = registry.optimizers_of(model)
+        for label, opt in optimizers.items():
+            if isinstance(opt, LossScaleOptimizer):
+                why = self._stalled(opt)
+                if why is not None:
+                    raise _error(model, label if len(optimizers) > 1 else "", opt, why)
+
+    def _stalled(self, opt: LossScaleOptimizer) -> str | None:
+        """Why `opt` is stalled (the words for the message), or None."""
         in_a_row = _number(opt.consecutive_skips)
         if in_a_row < STALLED_AFTER:
-            continue
-        if opt.mode == "dynamic":
-            scale = _number(opt.loss_scale)
-            if scale > opt.config.min_scale:
-                continue
-            why = f"with the loss scale at its floor ({scale:g})"
-        elif opt.mode == "static":
-            why = f"with a static loss scale ({opt.config.initial_scale:g})"
-        else:
-            why = "without loss scaling (nothing to lower)"
-        forward = not _number(opt.overflow_loss_finite)
+            self._floor_seen_at.pop(id(opt), None)
+            return None
+        if opt.mode == "static":
+            return f"with a static loss scale ({opt.config.initial_scale:g})"
+        if opt.mode != "dynamic":
+            return "without loss scaling (nothing to lower)"
+        scale = _number(opt.loss_scale)
+        # The scale is a float32: compare with the floor as float32 holds it.
+        if scale > np.float32(opt.config.min_scale):
+            self._floor_seen_at.pop(id(opt), None)
+            return None
+        first = self._floor_seen_at.setdefault(id(opt), in_a_row)
+        if in_a_row == first:  # no step has run at the floor yet
+            return None
+        return f"with the loss scale at its floor ({scale:g})"
+
+
+def _error(
+    model: keras.Model, label: str, opt: LossScaleOptimizer, why: str
+) -> TrainingCollapsedError:
+    """The error for `opt` (`label`: its name where there are several)."""
+    in_a_row = _number(opt.consecutive_skips)
+    if not opt.loss_recorded:
+        forward = False
+        cause = (
+            "The gradients are inf/NaN. kmp did not see the loss: the "
+            "train_step does not call optimizer.scale_loss."
+        )
+    elif not _number(opt.overflow_loss_finite):
+        forward = True
         cause = (
             "The loss itself is inf/NaN: a layer overflows in the forward "
             "pass, or the data holds inf/NaN."
-            if forward
-            else "The loss is finite but the gradients are inf/NaN: they "
+        )
+    else:
+        forward = False
+        cause = (
+            "The loss is finite but the gradients are inf/NaN: they "
             "overflow, or a layer hides inf/NaN inputs from the loss."
         )
-        which = f" ({label})" if len(optimizers) > 1 else ""
-        raise TrainingCollapsedError(
-            f"Training of {model.name!r} stalled: the last {in_a_row} steps in "
-            f"a row were skipped{which}, {why}. No weight is changing. "
-            f"{cause} Find the layer with kmp.debug.find_nonfinite(model, "
-            "x_batch). To have fit name it, pass "
-            "kmp.callbacks.NonFiniteGuard(probe=x_batch) in callbacks; "
-            "NonFiniteGuard(on_collapse='warn') lets the run go on.",
-            "forward" if forward else "gradient",
-        )
+    whose = f"optimizer {label!r}" if label else "the optimizer"
+    return TrainingCollapsedError(
+        f"Training of {model.name!r} stalled: the last {in_a_row} steps of "
+        f"{whose} were all skipped, {why}. No weight it trains is changing. "
+        f"{cause} Find the layer with kmp.debug.find_nonfinite(model, "
+        "x_batch). To have fit name it, pass "
+        "kmp.callbacks.NonFiniteGuard(probe=x_batch) in callbacks; "
+        "NonFiniteGuard(on_collapse='warn') lets the run go on.",
+        "forward" if forward else "gradient",
+    )

@@ -98,6 +98,7 @@ class TrainFunction:
         self._per_epoch = False
         self._check = True  # whether the next step's applies are checked
         self._watcher: Callable[[], Any] | None = None  # see `watched_by`
+        self._stall_check = stall.StallCheck()
 
     def optimizers_changed(self) -> None:
         """The optimizers kmp reports for the model changed
@@ -136,7 +137,7 @@ class TrainFunction:
         if not _from_fit(iterator):
             return logs
         if self._watcher is None or self._watcher() is None:
-            stall.check(model)
+            self._stall_check(model)
         if not isinstance(logs, dict):
             return logs
         if self._adds is None:
