@@ -123,11 +123,11 @@ class NonFiniteGuard(keras.callbacks.Callback):
     def _watch(self, on: bool) -> None:
         """Has kmp's own check for a stalled run leave this `fit` to the
         guard (`on`), or take it back."""
-        function = getattr(self.model, "train_function", None)
         # It watches `model.optimizer` only: a model trained by several
         # optimizers (a GAN's) keeps kmp's check.
         if optimizer_lib.of_model(self.model) is None:
             return
+        function = getattr(self.model, "train_function", None)
         if isinstance(function, train_function.TrainFunction):
             function.watched_by(self if on else None)
 

@@ -24,6 +24,7 @@ Input data are not counted: where they live depends on the input pipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -161,21 +162,26 @@ def _device() -> str:
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 
 
-def _tensor_bytes(tensor: Any) -> int:
-    """The bytes of a gradient as returned: a tensor, or the values and
-    indices of `tf.IndexedSlices` (an embedding's); 0 for None."""
-    if tensor is None:
-        return 0
-    if isinstance(tensor, tf.IndexedSlices):
-        return _tensor_bytes(tensor.values) + _tensor_bytes(tensor.indices)
-    return int(tf.size(tensor)) * tensor.dtype.size
+def _held(grads) -> list:
+    """The tensors that gradients, as a step returns them, hold: a dense
+    gradient itself, the values and indices of a `tf.IndexedSlices` (an
+    embedding's); nothing for None."""
+    held = []
+    for grad in grads:
+        if isinstance(grad, tf.IndexedSlices):
+            held += [grad.values, grad.indices]
+        elif grad is not None:
+            held.append(grad)
+    return held
 
 
+@functools.cache
 def _smallest_counted(device: str) -> int:
     """The smallest tensor, in bytes, that TensorFlow's memory count on
     `device` sees, of `_PROBE_SIZES`: 0 where the smallest is seen (a GPU),
     256 KiB on a CPU (oneDNN's allocator sends smaller requests to a pool it
-    does not count), the largest tried where none is seen."""
+    does not count), the largest tried where none is seen. Measured once
+    per device: the allocator's threshold does not change."""
     for size in _PROBE_SIZES:
         before = tf.config.experimental.get_memory_info(device)["current"]
         with tf.device(device):
@@ -213,7 +219,7 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
     before = tf.config.experimental.get_memory_info(device)["current"]
     grads = step(batch)
     peak = tf.config.experimental.get_memory_info(device)["peak"]
-    returned = sum(map(_tensor_bytes, grads))
+    returned = _bytes(_held(grads))
     del grads
     return max(peak - before, returned)
 

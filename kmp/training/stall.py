@@ -66,20 +66,22 @@ class StallCheck:
         optimizers = registry.optimizers_of(model)
         for label, opt in optimizers.items():
             if isinstance(opt, LossScaleOptimizer):
-                why = self._stalled(opt)
-                if why is not None:
-                    raise _error(model, label if len(optimizers) > 1 else "", opt, why)
+                stalled = self._stalled(opt)
+                if stalled is not None:
+                    name = label if len(optimizers) > 1 else ""
+                    raise _error(model, name, opt, *stalled)
 
-    def _stalled(self, opt: LossScaleOptimizer) -> str | None:
-        """Why `opt` is stalled (the words for the message), or None."""
+    def _stalled(self, opt: LossScaleOptimizer) -> tuple[int, str] | None:
+        """Where `opt` is stalled, its skips in a row and why (the words for
+        the message); else None."""
         in_a_row = _number(opt.consecutive_skips)
         if in_a_row < STALLED_AFTER:
             self._floor_seen_at.pop(id(opt), None)
             return None
         if opt.mode == "static":
-            return f"with a static loss scale ({opt.config.initial_scale:g})"
+            return in_a_row, f"with a static loss scale ({opt.config.initial_scale:g})"
         if opt.mode != "dynamic":
-            return "without loss scaling (nothing to lower)"
+            return in_a_row, "without loss scaling (nothing to lower)"
         scale = _number(opt.loss_scale)
         # The scale is a float32: compare with the floor as float32 holds it.
         if scale > np.float32(opt.config.min_scale):
@@ -88,14 +90,14 @@ class StallCheck:
         first = self._floor_seen_at.setdefault(id(opt), in_a_row)
         if in_a_row == first:  # no step has run at the floor yet
             return None
-        return f"with the loss scale at its floor ({scale:g})"
+        return in_a_row, f"with the loss scale at its floor ({scale:g})"
 
 
 def _error(
-    model: keras.Model, label: str, opt: LossScaleOptimizer, why: str
+    model: keras.Model, label: str, opt: LossScaleOptimizer, in_a_row: int, why: str
 ) -> TrainingCollapsedError:
-    """The error for `opt` (`label`: its name where there are several)."""
-    in_a_row = _number(opt.consecutive_skips)
+    """The error for `opt` (`label`: its name where there are several),
+    which skipped `in_a_row` steps in a row (`why`: with what scale)."""
     if not opt.loss_recorded:
         forward = False
         cause = (
