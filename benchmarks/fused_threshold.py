@@ -4,7 +4,7 @@ a non-finite gradient is skipped), its update not fused (`keras` below:
 Keras's own update ops) and fused, for updates of 30 K to 10 M float32
 weights spread over 8 or 64 variables. The first
 call (tracing, and XLA compiling for the fused one) is reported apart.
-This is the measurement behind `kmp.fused.MIN_WEIGHTS`.
+This is the measurement behind the fused update's `MIN_WEIGHTS` (kmp/backend/fused.py).
 
 All variants in one process, interleaved, best of `--repeats` runs of 20
 applies each, wall time.

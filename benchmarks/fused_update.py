@@ -1,4 +1,4 @@
-"""What the fused optimizer update (kmp.fused) buys, toward issue #5's
+"""What the fused optimizer update (kmp/backend/fused.py) buys, toward issue #5's
 bfloat16 targets.
 
 1. The update alone: Keras's Adam `apply` on the 3 x Dense(2048) MLP's

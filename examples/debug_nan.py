@@ -32,7 +32,7 @@ kmp.compile(
     model,
     # A short growth interval, so that the scale visibly recovers after the fix.
     optimizer=kmp.LossScaleOptimizer(
-        keras.optimizers.Adam(1e-3), initial_scale=256, growth_interval=8
+        keras.optimizers.Adam(1e-3), initial_scale=256, dynamic_growth_steps=8
     ),
     loss="mse",
 )

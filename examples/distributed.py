@@ -49,7 +49,7 @@ history = model.fit(x, y, batch_size=64, epochs=3, verbose=0, shuffle=False)
 print(
     f"fit: accuracy {history.history['accuracy'][-1]:.3f}, "
     f"skipped steps {history.history['skipped_steps_total'][-1]:g}, "
-    f"replicas checked: {kmp.distribute.verify_replicas(model.optimizer)}"
+    f"replicas checked: {kmp.debug.verify_replicas(model.optimizer)}"
 )
 
 # 2. A custom loop with ScaledGradientTape and strategy.run
@@ -90,5 +90,5 @@ predictions = loop_model.predict(x, verbose=0)[:, 0] > 0
 print(
     f"loop: accuracy {np.mean(predictions == (y > 0.5)):.3f}, "
     f"skipped steps {int(keras.ops.convert_to_numpy(optimizer.skipped_steps_total))}, "
-    f"replicas checked: {kmp.distribute.verify_replicas(optimizer)}"
+    f"replicas checked: {kmp.debug.verify_replicas(optimizer)}"
 )

@@ -123,7 +123,7 @@ def work() -> None:
                 "loss_scale": float(value(optimizer.loss_scale)),
                 "skipped_steps_total": int(value(optimizer.skipped_steps_total)),
                 "weights": [value(w).round(6).ravel().tolist() for w in model.weights],
-                "replicas_agree": kmp.distribute.verify_replicas(optimizer) >= 1,
+                "replicas_agree": kmp.debug.verify_replicas(optimizer) >= 1,
             }
         )
     )

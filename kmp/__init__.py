@@ -7,34 +7,24 @@
 
 from kmp import callbacks
 from kmp import debug
-from kmp import distribute
-from kmp import fused
 from kmp import hardware
 from kmp import layers
 from kmp import mixed_precision
 from kmp import optimizers
-from kmp import quantization
 from kmp import rules
 from kmp import telemetry
 from kmp.backend.finite import all_finite
 from kmp.diagnostics.doctor import doctor
-from kmp.diagnostics.report import LayerPrecision
-from kmp.diagnostics.report import PrecisionReport
 from kmp.diagnostics.report import precision_report
 from kmp.planning.apply import prepare
 from kmp.precision.policy import Policy
 from kmp.precision.policy import PolicyError
 from kmp.precision.policy import get_policy
-from kmp.precision.policy import list_policies
 from kmp.precision.policy import policy_scope
 from kmp.precision.policy import register_policy
 from kmp.precision.policy import set_policy
-from kmp.precision.rules import LayerRule
-from kmp.precision.rules import RuleConflictError
 from kmp.precision.rules import clear_layer_policies
-from kmp.precision.rules import layer_rules
 from kmp.precision.rules import set_layer_policy
-from kmp.scaling.config import LossScaleConfig
 from kmp.scaling.config import LossScaleError
 from kmp.scaling.optimizer import LossScaleOptimizer
 from kmp.training.compile import compile
@@ -42,15 +32,10 @@ from kmp.training.tape import ScaledGradientTape
 from kmp.version import __version__
 
 __all__ = [
-    "LayerPrecision",
-    "LayerRule",
-    "LossScaleConfig",
     "LossScaleError",
     "LossScaleOptimizer",
     "Policy",
     "PolicyError",
-    "PrecisionReport",
-    "RuleConflictError",
     "ScaledGradientTape",
     "__version__",
     "all_finite",
@@ -58,20 +43,15 @@ __all__ = [
     "clear_layer_policies",
     "compile",
     "debug",
-    "distribute",
     "doctor",
-    "fused",
     "get_policy",
     "hardware",
-    "layer_rules",
     "layers",
-    "list_policies",
     "mixed_precision",
     "optimizers",
     "policy_scope",
     "precision_report",
     "prepare",
-    "quantization",
     "register_policy",
     "rules",
     "set_layer_policy",

@@ -1,7 +1,12 @@
-"""The public API is a checked-in list, so that changes show up in review."""
+"""The public API is a checked-in list, so that changes show up in review.
+
+`tests/api.txt` lists every public name, under `#` headings; docs/api.md is
+generated from it: `python tests/test_api.py` writes it again.
+"""
 
 import ast
 import pathlib
+import re
 import types
 
 import kmp
@@ -23,8 +28,41 @@ def _public_names() -> list[str]:
     return names
 
 
+API_LIST = ROOT / "tests" / "api.txt"
+API_PAGE = ROOT / "docs" / "api.md"
+
+
+def _listed() -> list[str]:
+    """The names in tests/api.txt, in its order."""
+    lines = API_LIST.read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def api_page() -> str:
+    """docs/api.md, as generated from tests/api.txt."""
+    out = [
+        "# API reference",
+        "",
+        "Every public name of kmp, from its docstring. Each is reached as an",
+        "attribute of `kmp` (`kmp.set_policy`, `kmp.debug.find_nonfinite`).",
+        "This page is generated from `tests/api.txt`.",
+    ]
+    for line in API_LIST.read_text().splitlines():
+        if line.startswith("# "):
+            out += ["", f"## {line[2:]}"]
+        elif line:
+            out += ["", f"::: {line}"]
+            if isinstance(eval(line, {"kmp": kmp}), types.ModuleType):
+                out += ["    options:", "      members: false"]
+    return "\n".join(out) + "\n"
+
+
+def test_the_api_page_is_generated_from_the_list():
+    assert API_PAGE.read_text() == api_page(), "run: python tests/test_api.py"
+
+
 def test_public_names_of_every_public_module_match_the_checked_in_list():
-    expected = (ROOT / "tests" / "api.txt").read_text().split()
+    expected = _listed()
     assert sorted(_public_names()) == sorted(expected)
     for name in kmp.__all__:
         assert hasattr(kmp, name), name
@@ -104,3 +142,36 @@ def test_no_kmp_module_imports_one_that_imports_it_back():
                     seen.add(imported)
                     stack.append((imported, (*path, imported)))
     assert circles == []
+
+
+def _public_docstrings():
+    """(name, docstring) of every public name, and of the public members of
+    the public classes."""
+    for name in _listed():
+        obj = eval(name, {"kmp": kmp})
+        yield name, obj.__doc__ or ""
+        if isinstance(obj, type):
+            for member, value in vars(obj).items():
+                if not member.startswith("_"):
+                    value = getattr(value, "fget", value)
+                    yield f"{name}.{member}", getattr(value, "__doc__", "") or ""
+
+
+def test_public_docstring_examples_use_only_public_names():
+    public = set(_listed())
+    modules = {n for n in public if isinstance(eval(n, {"kmp": kmp}), types.ModuleType)}
+    found = []
+    for owner, doc in _public_docstrings():
+        for line in doc.splitlines():
+            if not line.lstrip().startswith((">>>", "...")):
+                continue
+            for match in re.finditer(r"(?<![\w.])kmp\.\w+(?:\.\w+)?", line):
+                name = match.group()
+                head = ".".join(name.split(".")[:2])
+                if head not in public or (head in modules and name not in public):
+                    found.append(f"{owner}: {name}")
+    assert found == []
+
+
+if __name__ == "__main__":
+    API_PAGE.write_text(api_page())

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from kmp.diagnostics import replicas
 
 
 def value(variable):
@@ -67,7 +68,7 @@ def test_fit_under_mirrored_strategy(policy, jit_compile, mirrored):
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert history.history["loss"][-1] < history.history["loss"][0]
-    assert kmp.distribute.verify_replicas(model.optimizer) == 2
+    assert kmp.debug.verify_replicas(model.optimizer) == 2
 
 
 def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):
@@ -80,7 +81,7 @@ def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):
     opt = model.optimizer
     assert value(opt.skipped_steps_total) == 1
     assert value(opt.loss_scale) == 32.0
-    assert kmp.distribute.verify_replicas(opt) == 2
+    assert kmp.debug.verify_replicas(opt) == 2
     for weight, initial in zip(model.weights, before, strict=True):
         copies = replica_values(weight)
         np.testing.assert_array_equal(copies[0], copies[1])  # replicas agree
@@ -144,7 +145,7 @@ def test_scaled_gradient_tape_loop_with_strategy_run(mirrored):
     ]
     assert applied == [{True}, {False}]
     assert value(opt.loss_scale) == 32.0
-    assert kmp.distribute.verify_replicas(opt) == 2
+    assert kmp.debug.verify_replicas(opt) == 2
 
 
 def test_checkpoint_from_a_strategy_restores_on_one_device(tmp_path, mirrored):
@@ -170,7 +171,7 @@ def test_the_loss_scale_reads_as_a_number_under_a_strategy(mirrored):
     with mirrored.scope():
         opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=64.0)
     assert float(opt.loss_scale) == 64.0  # a MirroredVariable refused float()
-    assert opt.dynamic_scale is opt.loss_scale_object.value
+    assert opt.dynamic_scale is opt._scale.value
 
 
 def test_verify_replicas_raises_when_replicas_disagree(mirrored):
@@ -178,8 +179,8 @@ def test_verify_replicas_raises_when_replicas_disagree(mirrored):
         opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
     value = opt.dynamic_scale.value
     value._distribute_strategy.experimental_local_results(value)[1].assign(3.0)
-    with pytest.raises(kmp.distribute.ReplicaDivergenceError, match="loss_scale"):
-        kmp.distribute.verify_replicas(opt)
+    with pytest.raises(replicas.ReplicaDivergenceError, match="loss_scale"):
+        kmp.debug.verify_replicas(opt)
 
 
 def test_gradient_accumulation_under_a_strategy_is_refused_clearly(mirrored):

@@ -5,14 +5,17 @@ import pytest
 
 import kmp
 import kmp_cli
-from kmp import hardware
+from kmp.backend import grappler
 from kmp.backend import machine
+from kmp.diagnostics import doctor as doctor_lib
+from kmp.precision import auto
+from kmp.precision import policy as policy_lib
 
 
 def caps(flags=(), gpus=(), tpus=0):
-    return hardware.Capabilities(
-        cpu=hardware.CPUInfo("test cpu", 2, frozenset(flags)),
-        gpus=tuple(hardware.GPUInfo(n, cc) for n, cc in gpus),
+    return machine.Capabilities(
+        cpu=machine.CPUInfo("test cpu", 2, frozenset(flags)),
+        gpus=tuple(machine.GPUInfo(n, cc) for n, cc in gpus),
         tpus=tpus,
     )
 
@@ -20,7 +23,7 @@ def caps(flags=(), gpus=(), tpus=0):
 def test_capabilities_describe_this_machine():
     c = kmp.hardware.capabilities()
     assert c.cpu.cores >= 1 and c.cpu.model
-    assert c.cpu.flags <= set(hardware.CPU_FLAGS_OF_INTEREST)
+    assert c.cpu.flags <= set(machine.CPU_FLAGS_OF_INTEREST)
     assert c is kmp.hardware.capabilities()  # probed once
 
 
@@ -49,7 +52,7 @@ def test_capabilities_keep_the_os_flags_that_matter_for_16_bit_math(monkeypatch)
     ],
 )
 def test_gpu_tensor_core_support_follows_compute_capability(cc, fp16, bf16, tf32):
-    gpu = hardware.GPUInfo("g", cc)
+    gpu = machine.GPUInfo("g", cc)
     assert (gpu.float16_tensor_cores, gpu.bfloat16_tensor_cores, gpu.tf32) == (
         fp16,
         bf16,
@@ -58,7 +61,7 @@ def test_gpu_tensor_core_support_follows_compute_capability(cc, fp16, bf16, tf32
 
 
 def test_auto_picks_bfloat16_on_tpus():
-    assert hardware.choose_policy([], frozenset(), tpus=8).policy == "mixed_bfloat16"
+    assert auto.choose_policy([], frozenset(), tpus=8).policy == "mixed_bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -76,7 +79,7 @@ def test_auto_picks_bfloat16_on_tpus():
     ],
 )
 def test_known_slow_paths(machine, expected):
-    warnings = hardware.known_slow_paths(machine)
+    warnings = doctor_lib.known_slow_paths(machine)
     assert len(warnings) == len(expected)
     for warning, text in zip(warnings, expected, strict=True):
         assert text in warning
@@ -101,7 +104,7 @@ def test_known_slow_paths(machine, expected):
     ],
 )
 def test_fast_path_names_what_a_speed_up_comes_from(machine, expected):
-    line = hardware.fast_path(machine)
+    line = doctor_lib.fast_path(machine)
     assert expected in line
     assert "\n" not in line
     # float16 being native too is said only where it is.
@@ -143,7 +146,7 @@ def test_doctor_command_prints_devices_auto_and_versions(capsys):
     out = capsys.readouterr().out
     assert "device  name" in out and "CPU" in out
     picked = re.search(r"'auto' picks: (\S+)", out)
-    assert picked and picked[1] in kmp.list_policies()
+    assert picked and picked[1] in policy_lib.list_policies()
     assert "versions: kmp" in out
 
 
@@ -151,7 +154,7 @@ def test_doctor_command_json(capsys):
     assert kmp_cli.main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["cpu"]["cores"] >= 1
-    assert data["auto"]["policy"] in kmp.list_policies()
+    assert data["auto"]["policy"] in policy_lib.list_policies()
 
 
 def remapping():
@@ -161,22 +164,22 @@ def remapping():
 
 
 @pytest.mark.skipif(
-    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+    bool(machine.capabilities().gpus), reason="the fast path is for CPU-only machines"
 )
 def test_float16_on_a_cpu_turns_the_remapper_off_only_while_in_force():
     assert remapping() is True
     kmp.set_policy("mixed_float16")
-    assert remapping() is False and hardware.fast_paths_active()
+    assert remapping() is False and grappler.fast_paths_active()
     assert any("remapper off" in w for w in kmp.doctor().warnings)
     kmp.set_policy("mixed_bfloat16")  # bfloat16 keeps its fused kernels
-    assert remapping() is True and not hardware.fast_paths_active()
+    assert remapping() is True and not grappler.fast_paths_active()
     with kmp.policy_scope("float16"):
         assert remapping() is False
     assert remapping() is True
 
 
 @pytest.mark.skipif(
-    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+    bool(machine.capabilities().gpus), reason="the fast path is for CPU-only machines"
 )
 def test_a_users_own_remapper_setting_comes_back():
     import tensorflow as tf
@@ -191,7 +194,7 @@ def test_a_users_own_remapper_setting_comes_back():
 
 
 @pytest.mark.skipif(
-    bool(hardware.capabilities().gpus), reason="the fast path is for CPU-only machines"
+    bool(machine.capabilities().gpus), reason="the fast path is for CPU-only machines"
 )
 def test_kmp_compile_applies_the_fast_path_of_the_model_it_compiles():
     import keras
@@ -298,6 +301,6 @@ def test_doctor_shows_a_models_memory_in_a_unit_that_keeps_small_figures(
     assert _bytes(row["step"]) >= 0.95 * gradients, row
     held = sum(_bytes(row[column]) for column in ("weights", "optimizer", "step"))
     assert _bytes(row["total"]) >= 0.95 * held, row
-    if not hardware.capabilities().gpus:
+    if not machine.capabilities().gpus:
         # A CPU's count misses tensors under 256 KiB: the output says so.
         assert "misses tensors under 256 KiB" in out

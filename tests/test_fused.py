@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import hardware
 from kmp.backend import fused
 from kmp.backend import machine
 from kmp.tools import bench
@@ -186,11 +185,9 @@ def test_eager_custom_loop_fuses_per_variable_list():
 
 
 def test_default_fuses_only_on_machines_without_accelerators(monkeypatch):
-    caps = hardware.capabilities()
+    caps = machine.capabilities()
     assert fused.resolve(None) == (not caps.gpus and not caps.tpus)
-    with_gpu = dataclasses.replace(
-        caps, gpus=(hardware.GPUInfo("NVIDIA H100", (9, 0)),)
-    )
+    with_gpu = dataclasses.replace(caps, gpus=(machine.GPUInfo("NVIDIA H100", (9, 0)),))
     monkeypatch.setattr(machine, "capabilities", lambda: with_gpu)
     assert fused.resolve(None) is False
     assert fused.resolve(True) is True
@@ -497,7 +494,7 @@ def test_the_update_compiled_ahead_changes_nothing_and_is_the_one_steps_run():
     opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), fused_update=True)
     kmp.compile(model, optimizer=opt, loss="mse")
     before = [v.numpy() for v in model.weights]
-    assert opt.compile_update_ahead(model.trainable_variables)
+    assert fused.compile_ahead(opt, model.trainable_variables)
     assert opt.built and int(opt.iterations) == 0
     for b, v in zip(before, model.weights, strict=True):
         np.testing.assert_array_equal(v.numpy(), b)
@@ -505,7 +502,7 @@ def test_the_update_compiled_ahead_changes_nothing_and_is_the_one_steps_run():
     built.build(model.trainable_variables)
     for a, b in zip(opt.inner_optimizer.variables, built.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    assert not opt.compile_update_ahead(model.trainable_variables)  # once
+    assert not fused.compile_ahead(opt, model.trainable_variables)  # once
     (function,) = opt._fused_apply._functions.values()
     model.train_on_batch(*data(16))
     assert int(opt.iterations) == 1
@@ -514,7 +511,7 @@ def test_the_update_compiled_ahead_changes_nothing_and_is_the_one_steps_run():
     assert function.experimental_get_tracing_count() == 1
     # Nothing to compile where the update is not fused.
     plain = kmp.LossScaleOptimizer(keras.optimizers.Adam(), fused_update=False)
-    assert not plain.compile_update_ahead(mlp().trainable_variables)
+    assert not fused.compile_ahead(plain, mlp().trainable_variables)
     assert not plain.built
 
 

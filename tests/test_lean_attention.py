@@ -306,7 +306,7 @@ def test_lean_after_prepare_keeps_the_policies_kmp_set():
 
 def test_lean_normalization_leaves_attention_as_it_is():
     kmp.set_policy("mixed_bfloat16")
-    model = kmp.layers.lean_normalization(_transformer())
+    model = kmp.layers.lean(_transformer(), attention=False)
     assert type(model.get_layer("attention")) is keras.layers.MultiHeadAttention
     assert type(model.get_layer("norm")) is kmp.layers.LayerNormalization
 
@@ -364,7 +364,7 @@ def test_the_report_is_silent_where_kerass_attention_keeps_no_copy(policy, confi
     def attention(**kwargs):
         return keras.layers.MultiHeadAttention(**kwargs, **config)
 
-    model = kmp.layers.lean_normalization(_transformer(attention))
+    model = kmp.layers.lean(_transformer(attention), attention=False)
     # Before kmp's rules apply (under float16 they move the scores to
     # float32) and after.
     assert "attention" not in kmp.precision_report(model, trace=False).memory

@@ -1,6 +1,6 @@
 """kmp.layers.BatchNormalization and LayerNormalization compute what Keras's
 compute and keep their 16-bit input, not a float32 copy, for the backward
-pass; kmp.layers.lean_normalization puts them in place of Keras's in built
+pass; kmp.layers.lean(model, attention=False) puts them in place of Keras's in built
 models; kmp.precision_report names the normalizations that keep a copy."""
 
 import warnings
@@ -218,7 +218,7 @@ def test_lean_normalization_replaces_every_keras_batch_normalization():
     data = np.random.default_rng(5).normal(size=(32, 5)).astype("float32")
     model(data, training=True)  # moves the moving statistics
 
-    lean = kmp.layers.lean_normalization(model)
+    lean = kmp.layers.lean(model, attention=False)
 
     norms = [
         layer
@@ -249,7 +249,7 @@ def test_lean_normalization_trains_keras_applications_under_kmp(policy):
         weights=None, input_shape=(32, 32, 3), classes=3, alpha=0.35
     )
     count = sum(type(la) is keras.layers.BatchNormalization for la in model.layers)
-    lean = kmp.layers.lean_normalization(model)
+    lean = kmp.layers.lean(model, attention=False)
     assert count > 10
     assert sum(type(la) is kmp.layers.BatchNormalization for la in lean.layers) == count
     # Eager steps: the same layers and dtypes as traced ones, at a fraction
@@ -272,7 +272,7 @@ def test_lean_normalization_trains_keras_applications_under_kmp(policy):
 
 def test_a_lean_model_saves_and_loads_with_its_layers(tmp_path):
     kmp.set_policy("mixed_bfloat16")
-    lean = kmp.layers.lean_normalization(_conv_net(keras.layers.BatchNormalization))
+    lean = kmp.layers.lean(_conv_net(keras.layers.BatchNormalization), attention=False)
     x = np.random.default_rng(7).random((2, 16, 16, 3), "float32")
     lean.save(tmp_path / "lean.keras")
     loaded = keras.models.load_model(tmp_path / "lean.keras")
@@ -282,7 +282,7 @@ def test_a_lean_model_saves_and_loads_with_its_layers(tmp_path):
 
 def test_a_model_without_batch_normalization_is_given_back_as_it_is():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    assert kmp.layers.lean_normalization(model) is model
+    assert kmp.layers.lean(model, attention=False) is model
 
 
 def test_a_batch_normalization_inside_a_subclassed_layer_is_named():
@@ -300,7 +300,7 @@ def test_a_batch_normalization_inside_a_subclassed_layer_is_named():
     x = keras.layers.BatchNormalization(name="seen")(Block(name="block")(inputs))
     model = keras.Model(inputs, x)
     with pytest.warns(UserWarning, match="block/hidden_norm"):
-        lean = kmp.layers.lean_normalization(model)
+        lean = kmp.layers.lean(model, attention=False)
     assert type(lean.get_layer("seen")) is kmp.layers.BatchNormalization
 
 
@@ -314,17 +314,17 @@ def test_bad_input_is_refused_with_the_fix():
             return self.norm(x)
 
     with pytest.raises(TypeError, match=r"expects a keras\.Model"):
-        kmp.layers.lean_normalization(keras.layers.BatchNormalization())
+        kmp.layers.lean(keras.layers.BatchNormalization(), attention=False)
     subclassed = Net()
     subclassed(np.zeros((2, 3), "float32"))
     with pytest.raises(
         ValueError,
         match=r"kmp\.layers\.BatchNormalization and kmp\.layers\.LayerNormalization in",
     ):
-        kmp.layers.lean_normalization(subclassed)
+        kmp.layers.lean(subclassed, attention=False)
     unbuilt = keras.Sequential([keras.layers.BatchNormalization()])
     with pytest.raises(ValueError, match="needs a built model"):
-        kmp.layers.lean_normalization(unbuilt)
+        kmp.layers.lean(unbuilt, attention=False)
 
 
 def test_a_channel_count_unknown_at_trace_time_is_computed_as_keras_does():
@@ -347,11 +347,11 @@ def test_models_of_other_classes_and_compiled_models_are_refused():
 
     own = OwnSequential([keras.Input((3,)), keras.layers.BatchNormalization()])
     with pytest.raises(ValueError, match="OwnSequential, which the rebuild"):
-        kmp.layers.lean_normalization(own)
+        kmp.layers.lean(own, attention=False)
     compiled = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
     kmp.compile(compiled, optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="before it is compiled"):
-        kmp.layers.lean_normalization(compiled)
+        kmp.layers.lean(compiled, attention=False)
 
 
 def test_what_cannot_be_replaced_is_left_and_named():
@@ -368,9 +368,9 @@ def test_what_cannot_be_replaced_is_left_and_named():
     x = OwnNorm(name="own")(inputs)
     x = keras.layers.BatchNormalization(name="seen")(held(x))
     with pytest.warns(UserWarning) as caught:
-        lean = kmp.layers.lean_normalization(keras.Model(inputs, x))
+        lean = kmp.layers.lean(keras.Model(inputs, x), attention=False)
     (message,) = [
-        str(w.message) for w in caught if "lean_normalization" in str(w.message)
+        str(w.message) for w in caught if "kmp.layers.lean left" in str(w.message)
     ]
     assert "'own' (of OwnNorm" in message and "'held' (inside" in message
     assert type(lean.get_layer("seen")) is kmp.layers.BatchNormalization
@@ -384,13 +384,13 @@ def test_frozen_models_stay_frozen():
     base.trainable = False
     outer_inputs = keras.Input((4,))
     outer = keras.Model(outer_inputs, keras.layers.Dense(2)(base(outer_inputs)))
-    lean = kmp.layers.lean_normalization(outer)
+    lean = kmp.layers.lean(outer, attention=False)
     rebuilt = lean.get_layer("base")
     assert rebuilt is not base and not rebuilt.trainable
     assert len(lean.trainable_weights) == 2  # the head's kernel and bias
     frozen = keras.Model(outer_inputs, base(outer_inputs))
     frozen.trainable = False
-    assert not kmp.layers.lean_normalization(frozen).trainable
+    assert not kmp.layers.lean(frozen, attention=False).trainable
 
 
 def test_the_precision_report_says_where_a_float32_copy_is_kept():
@@ -398,8 +398,8 @@ def test_the_precision_report_says_where_a_float32_copy_is_kept():
     model = kmp.prepare(_conv_net(keras.layers.BatchNormalization))
     report = kmp.precision_report(model, trace=False)
     assert "1 normalization layer ('norm') keeps a float32 copy" in report.memory
-    assert "kmp.layers.lean_normalization(model)" in str(report)
-    lean = kmp.prepare(kmp.layers.lean_normalization(model))
+    assert "kmp.layers.lean(model)" in str(report)
+    lean = kmp.prepare(kmp.layers.lean(model, attention=False))
     assert kmp.precision_report(lean, trace=False).memory == ""
     kmp.compile(model, optimizer="sgd", loss="mse", jit_compile=True)
     assert kmp.precision_report(model, trace=False).memory == ""  # XLA decides
@@ -484,7 +484,7 @@ def test_lean_normalization_replaces_layer_normalization_and_trains():
     model = _token_net(keras.layers.LayerNormalization)
     report = kmp.precision_report(kmp.prepare(model), trace=False)
     assert "1 normalization layer ('norm')" in report.memory
-    lean = kmp.layers.lean_normalization(model)
+    lean = kmp.layers.lean(model, attention=False)
     assert type(lean.get_layer("norm")) is kmp.layers.LayerNormalization
     assert kmp.precision_report(lean, trace=False).memory == ""
     kmp.compile(
@@ -582,5 +582,5 @@ def test_nothing_is_named_where_a_float32_policy_leaves_nothing_to_save():
     model = keras.Model(inputs, Block()(keras.layers.LayerNormalization()(inputs)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lean = kmp.layers.lean_normalization(model)
+        lean = kmp.layers.lean(model, attention=False)
     assert lean is not model

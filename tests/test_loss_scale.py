@@ -23,7 +23,7 @@ def reference_step(config, state, grads_finite):
         s["consecutive_skips"] = 0
         s["hysteresis_left"] = config.hysteresis
         s["good_steps"] = min(s["good_steps"] + 1, ls_state.COUNTER_MAX)
-        if config.mode == "dynamic" and s["good_steps"] >= config.growth_interval:
+        if config.mode == "dynamic" and s["good_steps"] >= config.dynamic_growth_steps:
             grown = f32(s["scale"]) * f32(config.growth_factor)
             s["scale"] = float(min(grown, f32(config.max_scale)))
             s["good_steps"] = 0
@@ -56,7 +56,7 @@ configs = st.builds(
             max_scale=max(lo, hi),
             growth_factor=growth,
             backoff_factor=backoff,
-            growth_interval=interval,
+            dynamic_growth_steps=interval,
             hysteresis=hysteresis,
             mode=mode,
         )
@@ -107,7 +107,7 @@ def test_ten_thousand_overflows_keep_the_scale_at_the_floor():
 
 
 def test_growth_stops_at_the_ceiling():
-    config = ls_config.LossScaleConfig(initial_scale=2.0**23, growth_interval=1)
+    config = ls_config.LossScaleConfig(initial_scale=2.0**23, dynamic_growth_steps=1)
     state = ls_state.LossScaleState.initial(config)
     for _ in range(5):
         state = ls_state.next_state(config, state, True)
@@ -139,7 +139,7 @@ def test_counters_saturate_instead_of_wrapping():
 
 def test_static_mode_keeps_the_scale_and_still_counts_skips():
     config = ls_config.LossScaleConfig(
-        initial_scale=128.0, mode="static", growth_interval=1
+        initial_scale=128.0, mode="static", dynamic_growth_steps=1
     )
     state = ls_state.LossScaleState.initial(config)
     for finite in [True, True, False, True]:
@@ -149,7 +149,7 @@ def test_static_mode_keeps_the_scale_and_still_counts_skips():
 
 
 def test_a_scale_change_through_variables_does_not_retrace():
-    config = ls_config.LossScaleConfig(initial_scale=8.0, growth_interval=1)
+    config = ls_config.LossScaleConfig(initial_scale=8.0, dynamic_growth_steps=1)
     init = ls_state.LossScaleState.initial(config)
     variables = ls_state.LossScaleState(*(tf.Variable(v) for v in init.fields()))
     traces = []
@@ -183,7 +183,7 @@ def test_a_scale_change_through_variables_does_not_retrace():
         ({"backoff_factor": 0.0}, "positive finite"),
         ({"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 2.0}, "min_scale"),
         ({"initial_scale": 2.0**30}, "outside"),
-        ({"growth_interval": 0}, "integer >= 1"),
+        ({"dynamic_growth_steps": 0}, "integer >= 1"),
         ({"hysteresis": 1.5}, "integer >= 1"),
         ({"mode": "auto"}, "Unknown loss-scale mode"),
         ({"max_scale": 3e38}, "too large"),

@@ -209,7 +209,7 @@ def test_config_round_trip():
     opt = kmp.LossScaleOptimizer(
         keras.optimizers.AdamW(3e-4, clipnorm=1.0),
         initial_scale=512,
-        growth_interval=10,
+        dynamic_growth_steps=10,
         hysteresis=2,
         mode="dynamic",
         max_scale=2.0**20,
@@ -221,6 +221,16 @@ def test_config_round_trip():
     assert clone.get_config() == opt.get_config()
 
 
+def test_growth_steps_have_one_name_keras_s_and_older_configs_still_load():
+    opt = kmp.LossScaleOptimizer("sgd", dynamic_growth_steps=10)
+    assert opt.dynamic_growth_steps == 10  # Keras's own attribute agrees
+    with pytest.raises(TypeError, match="unexpected arguments: growth_interval"):
+        kmp.LossScaleOptimizer("sgd", growth_interval=10)
+    older = opt.get_config()
+    older["growth_interval"] = older.pop("dynamic_growth_steps")
+    assert kmp.LossScaleOptimizer.from_config(older).config == opt.config
+
+
 def _train_steps(model, x, y, steps):
     for i in range(steps):
         model.train_on_batch(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8])
@@ -230,7 +240,10 @@ def test_save_and_load_restore_the_scale_and_every_counter(tmp_path):
     kmp.set_policy("mixed_float16")
     model = mlp()
     opt = kmp.LossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), initial_scale=64, growth_interval=3, hysteresis=2
+        keras.optimizers.Adam(1e-2),
+        initial_scale=64,
+        dynamic_growth_steps=3,
+        hysteresis=2,
     )
     model.compile(optimizer=opt, loss="mse")
     x, y = regression_data(64)
@@ -274,7 +287,9 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
         keras.utils.set_random_seed(0)
         kmp.set_policy("mixed_float16")
         model = mlp()
-        opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), growth_interval=2)
+        opt = kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
+        )
         model.compile(optimizer=opt, loss="mse")
         return model, opt
 
@@ -296,6 +311,27 @@ def test_checkpoint_resume_continues_the_same_trajectory(tmp_path):
     assert float(resumed_opt.loss_scale) == float(opt.loss_scale)
     for a, b in zip(resumed.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_holds_the_optimizers_variables_and_none_of_kmps_bookkeeping():
+    # kmp's helpers (the ledger, the fused update, a forward watch) are plain
+    # objects: a tf.train.Checkpoint tracks only what Keras's optimizer does.
+    from kmp.diagnostics import forward_watch
+
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam())
+    w = keras.Variable([1.0, 2.0])
+    opt.apply([tf.constant([1.0, 1.0])], [w], scaled=True)
+    forward_watch.watch(opt, keeps_scale=True, counter=tf.Variable(0, tf.int64))
+    children = set(tf.train.TrackableView(opt).children(opt))
+    assert children == {
+        "_iterations",
+        "_learning_rate",
+        "_trainable_variables",
+        "_trainable_variables_indices",
+        "_variables",
+        "inner_optimizer",
+    }
+    assert any(v is opt.dynamic_scale for v in opt.variables)  # saved there
 
 
 @pytest.mark.parametrize(
@@ -363,7 +399,7 @@ def test_scale_is_readable_before_build_and_flags_need_build():
     opt = kmp.LossScaleOptimizer("sgd", mode="dynamic", initial_scale=8.0)
     assert float(opt.loss_scale) == 8.0
     with pytest.raises(ValueError, match=r"created when the\s+optimizer is built"):
-        opt.overflow_flags  # noqa: B018
+        opt.overflow_record.flags  # noqa: B018
 
 
 def accumulation_model(policy):
@@ -452,7 +488,7 @@ def test_an_overflowing_micro_batch_is_skipped_alone():
     opt = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
         initial_scale=64,
-        growth_interval=2,
+        dynamic_growth_steps=2,
     )
     model.compile(optimizer=opt, loss="mse")
     initial = [w.numpy() for w in model.weights]
@@ -623,13 +659,13 @@ def test_the_tape_leaves_float8_scale_variables_undivided():
 )
 def test_any_real_number_type_is_accepted_where_a_float_is(value):
     opt = kmp.LossScaleOptimizer(
-        "sgd", initial_scale=value, growth_interval=np.int64(5)
+        "sgd", initial_scale=value, dynamic_growth_steps=np.int64(5)
     )
-    assert opt.config.initial_scale == 1024.0 and opt.config.growth_interval == 5
+    assert opt.config.initial_scale == 1024.0 and opt.config.dynamic_growth_steps == 5
     with pytest.raises(kmp.LossScaleError, match="positive finite"):
         kmp.LossScaleOptimizer("sgd", initial_scale=np.float32(-1))
     with pytest.raises(kmp.LossScaleError, match="integer >= 1"):
-        kmp.LossScaleOptimizer("sgd", growth_interval=np.float32(2.5))
+        kmp.LossScaleOptimizer("sgd", dynamic_growth_steps=np.float32(2.5))
 
 
 def test_a_sparse_gradient_whose_repeated_rows_sum_past_float16_is_skipped():
@@ -808,7 +844,7 @@ def test_state_of_another_shape_or_unknown_is_not_restored_and_named():
     assert "another shape" in message and "overflow_flags" in message
     assert "kmp|from_another_version" in message
     assert float(fresh_opt.loss_scale) == 32.0  # the rest is restored
-    assert bool(np.all(fresh_opt.overflow_flags.numpy()))  # kept initial
+    assert bool(np.all(fresh_opt.overflow_record.flags.numpy()))  # kept initial
 
 
 def test_a_variable_without_a_gradient_in_a_micro_batch_is_accumulated_as_keras_does():

@@ -165,13 +165,13 @@ def test_tf_keras_skipped_steps_do_not_count_as_iterations():
 
 def test_torch_grad_scaling_update_scale():
     # GradScaler(init_scale=2, growth_factor=2, backoff_factor=0.5,
-    # growth_interval=1): a finite step grows, an inf step backs off.
+    # dynamic_growth_steps=1): a finite step grows, an inf step backs off.
     opt = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         initial_scale=2.0,
         growth_factor=2.0,
         backoff_factor=0.5,
-        growth_interval=1,
+        dynamic_growth_steps=1,
     )
     var = keras.Variable([1.0])
     opt.apply([tf.constant([1.0])], [var], scaled=True)

@@ -10,6 +10,7 @@ from tolerances import relative_error
 
 import kmp
 from kmp.planning import decisions as planning
+from kmp.precision import rules
 
 MIXED = ["mixed_float16", "mixed_bfloat16"]
 COMPUTE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
@@ -286,12 +287,11 @@ def test_class_rules_match_user_classes_and_their_subclasses():
 
 @pytest.mark.parametrize("gpu", [False, True])
 def test_float16_convolutions_go_float32_only_on_cpu_only_machines(gpu, monkeypatch):
-    from kmp import hardware
     from kmp.backend import machine as probe
 
-    machine = hardware.Capabilities(
-        cpu=hardware.CPUInfo("cpu", 2, frozenset({"avx512_fp16"})),
-        gpus=(hardware.GPUInfo("A100", (8, 0)),) if gpu else (),
+    machine = probe.Capabilities(
+        cpu=probe.CPUInfo("cpu", 2, frozenset({"avx512_fp16"})),
+        gpus=(probe.GPUInfo("A100", (8, 0)),) if gpu else (),
         tpus=0,
     )
     monkeypatch.setattr(probe, "capabilities", lambda: machine)
@@ -345,7 +345,9 @@ def test_same_rank_rules_that_disagree_raise_and_change_nothing():
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Softmax(), keras.layers.Dense(4, name="d")]
     )
-    with pytest.raises(kmp.RuleConflictError, match=r"'d'.*rule Dense.*rule class:Den"):
+    with pytest.raises(
+        rules.RuleConflictError, match=r"'d'.*rule Dense.*rule class:Den"
+    ):
         kmp.prepare(model)
     assert [layer.compute_dtype for layer in model.layers] == ["float16", "float16"]
 

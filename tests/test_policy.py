@@ -4,7 +4,8 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import hardware
+from kmp.backend import machine
+from kmp.precision import auto
 from kmp.precision import policy as policy_lib
 
 BUILTIN = {
@@ -126,7 +127,7 @@ def test_nested_policy_scopes_restore_in_order():
 
 def test_registered_policy_keeps_its_name_and_sets_keras_dtypes():
     fast = kmp.register_policy(kmp.Policy("fast", "bfloat16", "float32"))
-    assert "fast" in kmp.list_policies()
+    assert "fast" in policy_lib.list_policies()
     assert kmp.set_policy("fast") is fast
     assert kmp.get_policy() is fast
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
@@ -171,7 +172,7 @@ def test_auto_resolves_from_this_machines_cpu_flags():
 def test_kmp_policy_environment_variable_overrides_auto(monkeypatch):
     monkeypatch.setenv("KMP_POLICY", "mixed_float16")
     assert kmp.set_policy("auto").name == "mixed_float16"
-    assert "KMP_POLICY" in hardware.resolve_auto().reason
+    assert "KMP_POLICY" in machine.resolve_auto().reason
 
 
 def test_a_bad_kmp_policy_environment_variable_is_named_in_the_error(monkeypatch):
@@ -194,7 +195,7 @@ def test_a_bad_kmp_policy_environment_variable_is_named_in_the_error(monkeypatch
     ],
 )
 def test_auto_rule(gpus, flags, expected):
-    choice = hardware.choose_policy(gpus, flags)
+    choice = auto.choose_policy(gpus, flags)
     assert choice.policy == expected
     assert choice.reason
 
@@ -204,7 +205,7 @@ def test_cpu_flags_are_read_from_the_os(tmp_path):
     cpuinfo.write_text(
         "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n"
     )
-    assert hardware.read_cpu_flags(str(cpuinfo)) == {
+    assert machine.read_cpu_flags(str(cpuinfo)) == {
         "fpu",
         "sse",
         "avx512f",
@@ -212,7 +213,7 @@ def test_cpu_flags_are_read_from_the_os(tmp_path):
         "amx_tile",
         "amx_bf16",
     }
-    assert hardware.read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+    assert machine.read_cpu_flags(str(tmp_path / "missing")) == frozenset()
 
 
 @pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])

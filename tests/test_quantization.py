@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from kmp.scaling import lora
 
 MIXED = ["mixed_bfloat16", "mixed_float16"]
 MODES = ["int8", "int4", "float8"]
@@ -454,7 +455,7 @@ def test_dead_adapters_are_found_for_embeddings_too():
     embedding = keras.layers.Embedding(10, 4, name="tokens")
     embedding.build((None,))
     embedding.enable_lora(2)
-    assert kmp.quantization.dead_adapters(embedding.trainable_weights) == []
+    assert lora.dead_adapters(embedding.trainable_weights) == []
     for w in embedding.trainable_weights:
         w.assign(np.zeros(w.shape, "float32"))
-    assert kmp.quantization.dead_adapters(embedding.trainable_weights) == ["tokens"]
+    assert lora.dead_adapters(embedding.trainable_weights) == ["tokens"]

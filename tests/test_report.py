@@ -4,7 +4,6 @@ import keras
 import pytest
 
 import kmp
-from kmp import hardware
 from kmp.backend import machine
 from kmp.planning import decisions as planning
 
@@ -88,10 +87,10 @@ def test_report_rejects_non_models():
         kmp.precision_report("model")
 
 
-CPU_ONLY = hardware.Capabilities(hardware.CPUInfo("test cpu", 2, frozenset()), (), 0)
-WITH_GPU = hardware.Capabilities(
-    hardware.CPUInfo("test cpu", 2, frozenset()),
-    (hardware.GPUInfo("A100", (8, 0)),),
+CPU_ONLY = machine.Capabilities(machine.CPUInfo("test cpu", 2, frozenset()), (), 0)
+WITH_GPU = machine.Capabilities(
+    machine.CPUInfo("test cpu", 2, frozenset()),
+    (machine.GPUInfo("A100", (8, 0)),),
     0,
 )
 

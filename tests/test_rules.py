@@ -38,9 +38,9 @@ def test_set_layer_policy_rejects_unknown_policies():
 def test_set_layer_policy_replaces_and_removes_rules():
     kmp.set_layer_policy("name:x", "float32")
     kmp.set_layer_policy("name:x", "mixed_bfloat16")
-    assert [r.policy.name for r in kmp.layer_rules()] == ["mixed_bfloat16"]
+    assert [r.policy.name for r in rules.layer_rules()] == ["mixed_bfloat16"]
     kmp.set_layer_policy("name:x", None)
-    assert kmp.layer_rules() == []
+    assert rules.layer_rules() == []
 
 
 def test_a_class_pattern_that_matches_no_class_warns_with_the_closest_names():
@@ -83,10 +83,10 @@ def test_register_layer_class_makes_kmp_treat_a_class_as_its_kind():
             return keras.ops.softmax(x)
 
     kmp.rules.register_layer_class(
-        FancyNorm, kmp.rules.NORMALIZATION_FLOAT32_INSIDE, source="mylib"
+        FancyNorm, "normalization_float32_inside", source="mylib"
     )
     kmp.rules.register_layer_class(
-        f"{FancySoftmax.__module__}.{FancySoftmax.__qualname__}", kmp.rules.SOFTMAX
+        f"{FancySoftmax.__module__}.{FancySoftmax.__qualname__}", "softmax"
     )
     kmp.set_policy("mixed_bfloat16")
     model = keras.Sequential(
@@ -103,21 +103,23 @@ def test_register_layer_class_makes_kmp_treat_a_class_as_its_kind():
     assert report.row("norm").compute_dtype == "bfloat16"
     assert report.row("probs").compute_dtype == "float32"
     assert report.row("probs").kind == "softmax"
-    kmp.rules.unregister_layer_class(FancyNorm)
+    kinds._clear_registrations()
     assert kmp.precision_report(model).row("norm").inside.startswith("float32 inside:")
 
 
 def test_register_layer_class_rejects_bad_input():
     with pytest.raises(TypeError, match="Layer subclass"):
-        kmp.rules.register_layer_class(int, kmp.rules.SOFTMAX)
+        kmp.rules.register_layer_class(int, "softmax")
     with pytest.raises(TypeError, match="qualified name"):
-        kmp.rules.register_layer_class("FancyNorm", kmp.rules.SOFTMAX)
-    with pytest.raises(TypeError, match="LayerKind"):
-        kmp.rules.register_layer_class(keras.layers.Dense, "softmax")
+        kmp.rules.register_layer_class("FancyNorm", "softmax")
+    with pytest.raises(ValueError, match=r"'softmax'.*Received: 'soft_max'"):
+        kmp.rules.register_layer_class(keras.layers.Dense, "soft_max")
+    with pytest.raises(ValueError, match=r"Received: \[.softmax.\]"):
+        kmp.rules.register_layer_class(keras.layers.Dense, ["softmax"])
 
 
 def test_a_registration_replaces_a_default_for_its_class():
-    kmp.rules.register_layer_class(keras.layers.Softmax, kmp.rules.ATTENTION_OWN_CODE)
+    kmp.rules.register_layer_class(keras.layers.Softmax, "attention_own_code")
     kmp.set_policy("mixed_float16")
     model = kmp.prepare(
         keras.Sequential(

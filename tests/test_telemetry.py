@@ -42,13 +42,15 @@ def test_telemetry_follows_the_scale_at_each_epoch_end():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     kmp.compile(
         model,
-        optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=4.0, growth_interval=1),
+        optimizer=kmp.LossScaleOptimizer(
+            "sgd", initial_scale=4.0, dynamic_growth_steps=1
+        ),
         loss="mse",
     )
     history = model.fit(
         np.ones((8, 2)), np.ones((8, 1)), batch_size=2, epochs=2, verbose=0
     )
-    # The scale doubles every step (growth_interval=1): 4 * 2**4, then 2**8.
+    # The scale doubles every step (dynamic_growth_steps=1): 4 * 2**4, then 2**8.
     assert history.history["loss_scale"] == [64.0, 1024.0]
 
 
@@ -77,7 +79,9 @@ def test_telemetry_with_several_steps_per_execution():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     kmp.compile(
         model,
-        optimizer=kmp.LossScaleOptimizer("sgd", initial_scale=8.0, growth_interval=1),
+        optimizer=kmp.LossScaleOptimizer(
+            "sgd", initial_scale=8.0, dynamic_growth_steps=1
+        ),
         loss="mse",
         steps_per_execution=4,
     )
@@ -382,11 +386,11 @@ def test_attach_refuses_the_optimizer_kmp_compile_wrapped_in_place_of_its_wrappe
 
 
 def test_applies_recorded_in_each_other_keep_their_own_lists():
-    from kmp.scaling.optimizer import applies_recorded
+    from kmp.scaling import applies
 
     opt, w = kmp.LossScaleOptimizer(keras.optimizers.SGD()), keras.Variable([1.0])
-    with applies_recorded() as outer:
-        with applies_recorded() as inner:  # equal to outer: both empty
+    with applies.recorded() as outer:
+        with applies.recorded() as inner:  # equal to outer: both empty
             pass
         opt.apply([keras.ops.ones((1,))], [w], scaled=False)
     assert outer == [opt] and inner == []

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from kmp.scaling import unscaling
 from kmp.training import tf_keras as mixed_precision
 
 SCALE = 1024.0
@@ -205,28 +206,30 @@ def test_tape_gradients_applied_without_saying_so_are_refused(traced):
     np.testing.assert_array_equal(w.numpy(), before)  # nothing applied
 
 
-def test_get_unscaled_gradients_then_apply_without_saying_so_is_refused():
-    # tf.keras 2's sequence on a Keras-3-contract optimizer: refused, with
+def test_unscaled_gradients_then_apply_without_saying_so_is_refused():
+    # tf.keras 2's spellings live on its own class only; unscaled gradients
+    # handed to the Keras-3-contract optimizer unstated are refused, with
     # both fixes named; stated, it applies the right update.
+    assert not hasattr(kmp.LossScaleOptimizer, "get_unscaled_gradients")
     opt, w = setup()
-    with tf.GradientTape() as tape:
-        loss = opt.get_scaled_loss(loss_of(w))
-    grads = opt.get_unscaled_gradients(tape.gradient(loss, [w]))
+    with kmp.ScaledGradientTape(opt) as tape:
+        loss = loss_of(w)
+    grads = tape.gradient(loss, [w])
     with pytest.raises(kmp.LossScaleError, match=r"scaled=False"):
         opt.apply_gradients(zip(grads, [w], strict=True))
     before = w.numpy().copy()
-    with tf.GradientTape() as tape:
-        loss = opt.get_scaled_loss(loss_of(w))
-    grads = opt.get_unscaled_gradients(tape.gradient(loss, [w]))
+    with kmp.ScaledGradientTape(opt) as tape:
+        loss = loss_of(w)
+    grads = tape.gradient(loss, [w])
     opt.apply_gradients(zip(grads, [w], strict=True), scaled=False)
     assert_right_size(w, before)
 
 
 def test_unscaled_copies_taken_to_log_then_the_scaled_gradients_stated():
-    opt, w = setup()
+    opt, w = setup(cls=mixed_precision.LossScaleOptimizer)
     before = w.numpy().copy()
     with tf.GradientTape() as tape:
-        loss = opt.scale_loss(loss_of(w))
+        loss = opt.get_scaled_loss(loss_of(w))
     scaled = tape.gradient(loss, [w])
     unscaled = opt.get_unscaled_gradients(scaled)
     np.testing.assert_allclose(tf.linalg.global_norm(unscaled), 5.0, rtol=1e-6)
@@ -361,7 +364,7 @@ def test_scaling_a_loss_inside_a_scaled_gradient_tape_is_refused():
     with kmp.ScaledGradientTape(opt) as tape:
         loss = loss_of(w)
         with pytest.raises(kmp.LossScaleError, match="scaled twice"):
-            opt.get_scaled_loss(loss)
+            opt.scale_loss(loss)
     tape.gradient(loss, [w])  # the tape itself still works
 
 
@@ -398,7 +401,9 @@ def test_logging_unscaled_copies_of_a_float8_model_then_applying_the_scaled_ones
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model.quantize("float8")
-    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=SCALE)
+    opt = mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=SCALE
+    )
     opt.build(model.trainable_variables)
     x = tf.ones((2, 4))
     kernel = model.layers[0].kernel
@@ -407,7 +412,7 @@ def test_logging_unscaled_copies_of_a_float8_model_then_applying_the_scaled_ones
     @tf.function
     def step():
         with tf.GradientTape() as tape:
-            loss = opt.scale_loss(
+            loss = opt.get_scaled_loss(
                 tf.reduce_sum(tf.cast(model(x, training=True), "float32"))
             )
         grads = tape.gradient(loss, model.trainable_variables)
@@ -577,3 +582,61 @@ def test_tape_gradients_from_another_function_applied_without_saying_so_are_refu
     with pytest.raises(kmp.LossScaleError, match=r"scaled=False"):
         step()
     np.testing.assert_array_equal(w.numpy(), before)
+
+
+# --- what kmp reads of a traced step is checked before it is trusted --------
+
+
+@pytest.fixture
+def fresh_self_check():
+    """The self-check of what kmp reads, run again at its next use."""
+    unscaling._misread_cases.cache_clear()
+    yield
+    unscaling._misread_cases.cache_clear()
+
+
+def test_the_self_check_of_what_kmp_reads_passes_on_this_tensorflow(
+    fresh_self_check,
+):
+    assert unscaling._misread_cases() == ()
+
+
+def test_the_self_check_run_inside_a_traced_loop_leaves_the_step_right(
+    fresh_self_check,
+):
+    # The first decision runs the self-check while the step's loop body is
+    # being traced: the step still gets its warning and right-sized update.
+    opt, w = setup()
+
+    @tf.function
+    def step():
+        for _ in tf.range(1):
+            with tf.GradientTape() as tape:
+                loss = loss_of(w)
+            opt.apply(tape.gradient(loss, [w]), [w])
+
+    before = w.numpy().copy()
+    with pytest.warns(UserWarning, match="never scaled"):
+        step()
+    assert_right_size(w, before)
+    assert unscaling._misread_cases.cache_info().currsize == 1
+
+
+def test_a_step_that_never_scales_is_refused_where_tensorflow_changed_what_kmp_reads(
+    monkeypatch, fresh_self_check
+):
+    # A TensorFlow that names a tape's backward pass otherwise: kmp can no
+    # longer tell a loss never scaled from a scaled one, so it asks, with
+    # the line to write, and changes nothing (it divided the update by the
+    # loss scale before).
+    monkeypatch.setattr(unscaling, "_BACKWARD_SCOPE", "no_op_is_named_this/")
+    model = linear_model(UnscaledStep, "mixed_float16")
+    kmp.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = model.get_weights()
+    with pytest.raises(
+        kmp.LossScaleError,
+        match=r"(?s)cannot tell.*optimizer\.scale_loss\(loss\).*scaled=False",
+    ):
+        model.fit(np.ones((4, 1)), np.full((4, 1), 3.0), batch_size=4, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -1,18 +1,35 @@
 """Warnings at the user's line: the first caller outside kmp (their
 train_step or loop, or Keras's trainer inside `fit`), not kmp's own file;
 inside a `tf.function`, the line of the user's source that autograph's
-converted copy runs, not the copy's temporary file."""
+converted copy runs, not the copy's temporary file. `once` says whether
+an object has said a thing already (an optimizer's warnings, each once)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import warnings
+import weakref
 
 from kmp.internals import autograph
 
 # kmp's package directory (this file is in kmp/_base/).
 _KMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What each object has said, for `once`; held weakly, so it dies with it.
+_said: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def once(owner: object, key: str) -> bool:
+    """True the first time it is called for `owner` and `key`, then False:
+    for what kmp says once per object, such as an optimizer's warnings."""
+    said = _said.get(owner)
+    if said is None:
+        said = _said[owner] = set()
+    if key in said:
+        return False
+    said.add(key)
+    return True
 
 
 def _inside_kmp(frame) -> bool:

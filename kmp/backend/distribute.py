@@ -3,7 +3,7 @@
 kmp builds no distribution of its own: under any `tf.distribute` strategy the
 optimizer agrees on one finite/non-finite decision per step (`agree`, an
 all-reduce of the per-gradient flags), applies the step and moves its single
-mirrored state once (`step_if_finite`); `kmp.distribute.verify_replicas`
+mirrored state once (`step_if_finite`); `kmp.debug.verify_replicas`
 (`kmp.diagnostics.replicas`) checks that, on demand. This is the TensorFlow
 edge of kmp's loss scaling.
 """
@@ -40,6 +40,33 @@ def in_multi_replica_context() -> bool:
         and context is not None
         and context.num_replicas_in_sync > 1
     )
+
+
+def check_build(inner_optimizer: Any) -> None:
+    """Refuses to build a `kmp.LossScaleOptimizer` around `inner_optimizer`
+    where the strategy in force cannot run it: inside `strategy.run` (once
+    per replica), or with Keras's gradient accumulation on several
+    replicas."""
+    if in_multi_replica_context():
+        raise RuntimeError(
+            "kmp.LossScaleOptimizer is being built inside strategy.run, once "
+            "per replica, which cannot create one set of variables. Build it "
+            "before the first strategy.run, inside strategy.scope(): "
+            "optimizer.build(model.trainable_variables) (Keras's own "
+            "LossScaleOptimizer needs the same)."
+        )
+    strategy = tf.distribute.get_strategy()
+    if inner_optimizer.gradient_accumulation_steps and (
+        strategy.num_replicas_in_sync > 1
+    ):
+        raise NotImplementedError(
+            "Keras's gradient accumulation does not run under "
+            f"{type(strategy).__name__} with more than one replica (its "
+            "update sits in a condition, where the replicas' gradients "
+            "cannot be all-reduced; plain Keras fails there too). Use a "
+            "larger global batch instead of gradient_accumulation_steps, "
+            "or train on one device."
+        )
 
 
 def step_if_finite(

@@ -58,7 +58,7 @@ Memory: the program updates the variables in place (XLA reuses their
 buffers), so the fused update holds fewer tensors than Keras's unfused one,
 which makes a temporary per elementwise pass. What it costs is the memory
 of XLA's compiler, which the process keeps; `fit` therefore compiles the
-program before the first step (`FusedApply.compile_ahead`), when that
+program before the first step (`compile_ahead`), when that
 memory can be reused by the step, not beside the step's activations.
 The source tree's benchmarks measure both kinds of memory.
 """
@@ -115,11 +115,11 @@ def is_tested(optimizer: Any) -> bool:
 
     Example:
 
-    >>> kmp.fused.is_tested("adam")
+    >>> kmp.backend.fused.is_tested("adam")
     True
     >>> class MyAdam(keras.optimizers.Adam):
     ...     pass
-    >>> kmp.fused.is_tested(MyAdam())
+    >>> kmp.backend.fused.is_tested(MyAdam())
     False
     """
     if isinstance(optimizer, str):
@@ -168,12 +168,13 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
 
     Example:
 
-    >>> kmp.fused.resolve(True), kmp.fused.resolve(False)  # no strategy here
+    >>> from kmp.backend.fused import resolve, default_for_machine
+    >>> resolve(True), resolve(False)  # no strategy here
     (True, False)
-    >>> kmp.fused.resolve(None) == kmp.fused.default_for_machine()
+    >>> resolve(None) == default_for_machine()
     True
     >>> small = [keras.Variable(np.zeros((1000, 100)))]  # 100 K weights
-    >>> kmp.fused.resolve(None, "adam", small)
+    >>> resolve(None, "adam", small)
     False
     """
     if setting is False:
@@ -259,6 +260,30 @@ class FusedApply:
             function = tf.function(update, jit_compile=True, reduce_retracing=True)
             self._functions[key] = function
         return function
+
+
+def compile_ahead(optimizer: Any, variables: Any) -> bool:
+    """Compiles the fused update of `variables` now, where `optimizer` (a
+    `kmp.LossScaleOptimizer`) fuses it (its `fused_update`), before the
+    first step that applies them. It builds the optimizer for them first,
+    as its first `apply` would, and updates nothing. Eager only.
+
+    `fit` calls it before the first step of Keras's own `train_step`.
+
+    Returns:
+        Whether it compiled: False where the update is not fused here, or
+        was compiled already.
+    """
+    variables = list(variables)
+    if not (
+        variables
+        and tf.executing_eagerly()
+        and resolve(optimizer.fused_update, optimizer.inner_optimizer, variables)
+    ):
+        return False
+    if not optimizer.built:
+        optimizer.build(variables)
+    return optimizer._fused_apply.compile_ahead(variables)
 
 
 def _dense_gradient(gradient: Any, variable: Any = None) -> Any:

@@ -61,7 +61,7 @@ def remapper_setting() -> RemapperSetting:
 
     Example:
 
-    >>> setting = kmp.hardware.remapper_setting()
+    >>> setting = kmp.backend.grappler.remapper_setting()
     >>> setting.enabled  # TensorFlow's default, under the float32 policy
     True
     """

@@ -108,8 +108,8 @@ def last_overflow(model: keras.Model) -> OverflowSources:
         return OverflowSources((), ())
     return overflow_sources(
         model,
-        keras.ops.convert_to_numpy(opt.overflow_flags),
-        bool(keras.ops.convert_to_numpy(opt.overflow_loss_finite)),
+        keras.ops.convert_to_numpy(opt.overflow_record.flags),
+        bool(keras.ops.convert_to_numpy(opt.overflow_record.loss_finite)),
     )
 
 
@@ -368,7 +368,7 @@ def find_nonfinite(
                 x=x, y=y, y_pred=values["__y_pred__"], training=True
             )
             if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
-                loss = optimizer.loss_scale_object.scale(loss)
+                loss = optimizer._scale.scale(loss)
             elif scale is not None:
                 loss = loss * scale
     checks = []

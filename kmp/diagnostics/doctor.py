@@ -21,8 +21,9 @@ def fast_path(caps: Capabilities) -> str:
 
     Example:
 
-    >>> cpu = kmp.hardware.CPUInfo("some CPU", 2, frozenset())
-    >>> print(kmp.hardware.fast_path(kmp.hardware.Capabilities(cpu, (), 0)))
+    >>> from kmp.backend.machine import Capabilities, CPUInfo
+    >>> cpu = CPUInfo("some CPU", 2, frozenset())
+    >>> print(kmp.diagnostics.doctor.fast_path(Capabilities(cpu, (), 0)))
     No fast 16-bit path: this CPU has no native bfloat16 or float16 math ...
     """
     if caps.tpus:
@@ -189,7 +190,7 @@ def doctor() -> DoctorReport:
     Example:
 
     >>> report = kmp.doctor()
-    >>> report.auto.policy in kmp.list_policies()
+    >>> report.auto.policy in ("float32", "mixed_float16", "mixed_bfloat16")
     True
     """
     import keras

@@ -52,7 +52,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
     monitor records the last step before the guard stops the run.
 
     Without it, `fit` under `kmp.compile` still raises a
-    `TrainingCollapsedError` after 10 such steps (`kmp.training.stall`);
+    `TrainingCollapsedError` after 10 such steps;
     a `fit` with a guard leaves that check to the guard.
 
     It reads what it needs from the batch logs, which Keras has already
@@ -217,7 +217,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             at_floor = scale <= np.float32(opt.config.min_scale)
         if not at_floor:
             return None
-        return "gradient" if _numpy(opt.overflow_loss_finite) else "forward"
+        return "gradient" if _numpy(opt.overflow_record.loss_finite) else "forward"
 
     def _weights_finite(self) -> bool:
         return all(

@@ -6,10 +6,11 @@ activations exceed float16's range (65504): every such step is skipped,
 and a plain loss-scale optimizer halves its scale each time, until it hits
 the floor and training stalls. The healer tells the two apart and acts:
 
-1. **Watching** (the default state): after each step it reads whether the
-   step's loss itself was inf/NaN (`kmp.LossScaleOptimizer.last_loss_finite`,
-   recorded in the step). Such a step is skipped and counted, and the
-   loss scale is left as it is (a lower scale cannot fix it).
+1. **Watching** (the default state): after each step it reads how many
+   steps had a loss that was itself inf/NaN (counted in the step by a watch
+   set on the optimizer: `kmp.diagnostics.forward_watch`). Such a step is
+   skipped and counted, and the loss scale is left as it is (a lower scale
+   cannot fix it).
 2. **Diagnosing**: at the first forward overflow, the step is traced again
    with a probe (`kmp.backend.probe`) that records the first op whose
    output is non-finite, which names the layer whose call ran it. This
@@ -30,10 +31,9 @@ that works. Where code outside the layer joins its float32 output with a
 16-bit tensor (the forward pass, or only a `train_step` of the model's own,
 cannot be traced), the move is taken back before any step runs with it,
 and the enclosing layer, whose code that is, moves instead; where there is
-none, the healer gives up (below). Its hold on the optimizer
-(`watch_forward`) lasts one call of the train function and is renewed
-before each, so a `fit` that ends without `on_train_end` leaves none
-behind.
+none, the healer gives up (below). Its watch on the optimizer lasts one
+call of the train function and is renewed before each, so a `fit` that
+ends without `on_train_end` leaves none behind.
 
 Every move is in `healer.heals` (layer, step, the op that overflowed, and
 what the layer's activations reached in float32 in the step after it), in
@@ -58,6 +58,7 @@ from kmp._base import warn as _warn
 from kmp.backend import machine
 from kmp.backend import probe as probe_lib
 from kmp.backend import tracing
+from kmp.diagnostics import forward_watch
 from kmp.planning import applied as applied_lib
 from kmp.precision import quantization
 from kmp.precision import traversal
@@ -268,7 +269,7 @@ class OverflowHealer(keras.callbacks.Callback):
         if self._counter is None:
             self._counter = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._counted = int(self._counter.numpy())
-        opt.watch_forward(None, keeps_scale=not self.gave_up, counter=self._counter)
+        forward_watch.watch(opt, keeps_scale=not self.gave_up, counter=self._counter)
         self._state = WATCHING
         self._step = 0
         self._last_overflow = 0
@@ -370,7 +371,7 @@ class OverflowHealer(keras.callbacks.Callback):
             if self.verbose:
                 print(f"kmp: {self.heals[self._unmeasured[0]]}")
             self._unmeasured = None
-        self._optimizer().watch_forward(None, keeps_scale=False)
+        forward_watch.watch(self._optimizer())
         self._state = WATCHING
         train_function.retrace(self.model)
 
@@ -381,7 +382,7 @@ class OverflowHealer(keras.callbacks.Callback):
         # Before every call of the train function, the one that meets the
         # end of a dataset of unknown length too (Keras calls no batch end
         # for it).
-        self._optimizer().renew_forward_watch()
+        forward_watch.renew(self._optimizer())
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (steps_per_execution may be
@@ -401,7 +402,7 @@ class OverflowHealer(keras.callbacks.Callback):
             self._restored = []
         if self.gave_up:
             return
-        if not opt.loss_recorded:
+        if not opt._loss_recorded:
             raise ValueError(
                 f"OverflowHealer reads each step's loss, and the training step of "
                 f"{self.model.name!r} gave none to its kmp.LossScaleOptimizer: "
@@ -431,8 +432,8 @@ class OverflowHealer(keras.callbacks.Callback):
             self._probe = probe_lib.ForwardProbe()
         self._state = DIAGNOSING if on else WATCHING
         self._seen.clear()
-        opt.watch_forward(
-            self._probe if on else None, keeps_scale=True, counter=self._counter
+        forward_watch.watch(
+            opt, self._probe if on else None, keeps_scale=True, counter=self._counter
         )
         train_function.retrace(self.model)
 
@@ -581,7 +582,7 @@ class OverflowHealer(keras.callbacks.Callback):
         )
         self.gave_up = True
         self._state = WATCHING
-        self._optimizer().watch_forward(None, keeps_scale=False, counter=self._counter)
+        forward_watch.watch(self._optimizer(), counter=self._counter)
         train_function.retrace(self.model)
 
 

@@ -1,5 +1,5 @@
 """A check that the replicas of a `tf.distribute` strategy agree on the loss
-scale: `kmp.distribute.verify_replicas`, on demand."""
+scale: `kmp.debug.verify_replicas`, on demand."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ def verify_replicas(optimizer: Any) -> int:
     Example:
 
     >>> opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
-    >>> kmp.distribute.verify_replicas(opt)
+    >>> kmp.debug.verify_replicas(opt)
     1
     """
-    if not isinstance(getattr(optimizer, "loss_scale_object", None), ls.LossScale):
+    if not isinstance(getattr(optimizer, "_scale", None), ls.LossScale):
         raise TypeError(
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
             f"{optimizer!r} (of type {type(optimizer).__name__})."
         )
-    state = optimizer.loss_scale_object.state
+    state = optimizer._scale.state
     copies = 1
     differing = []
     for field, name in ls.PUBLIC_NAMES.items():

@@ -201,7 +201,7 @@ def remapper_note(
 
     Example:
 
-    >>> setting = kmp.hardware.RemapperSetting(
+    >>> setting = kmp.backend.grappler.RemapperSetting(
     ...     enabled=True, managed=True, set_by_kmp=False, decided_by="float32")
     >>> print(kmp.diagnostics.report.remapper_note(setting, float16=True,
     ...                                policy="mixed_float16"))
@@ -521,7 +521,7 @@ def _memory_note(decisions) -> str:
     return (
         f"Memory: {_layers_that(copies, 'normalization', 'keep')} a float32 copy "
         "of the 16-bit input for the backward pass, twice "
-        "the memory of the input itself. kmp.layers.lean_normalization(model) "
+        "the memory of the input itself. kmp.layers.lean(model) "
         "(before compiling a Keras Sequential or Functional model), or "
         "kmp.layers.BatchNormalization and LayerNormalization in the model's "
         "code, keep the 16-bit input instead."

@@ -1,16 +1,15 @@
-"""Keras layers that keep less for the backward pass under a 16-bit policy:
-`kmp.layers.BatchNormalization` and `kmp.layers.LayerNormalization` keep
-their 16-bit input where Keras's keep a float32 copy,
-`kmp.layers.MultiHeadAttention` and `GroupQueryAttention` their 16-bit
-attention probabilities where Keras's keep a float32 copy beside them, and
-`kmp.layers.lean(model)` puts them in place of Keras's in a built model
-(`lean_normalization`: the normalizations alone)."""
+"""Keras layers that keep less for the backward pass under a 16-bit policy.
+
+`BatchNormalization` and `LayerNormalization` keep their 16-bit input where
+Keras's keep a float32 copy. `MultiHeadAttention` and `GroupQueryAttention`
+keep their 16-bit attention probabilities where Keras's keep a float32 copy
+beside them. `lean(model)` puts them in place of Keras's in a built model.
+"""
 
 from kmp.layers.batch_normalization import BatchNormalization
 from kmp.layers.group_query_attention import GroupQueryAttention
 from kmp.layers.layer_normalization import LayerNormalization
 from kmp.layers.lean import lean
-from kmp.layers.lean import lean_normalization
 from kmp.layers.multi_head_attention import MultiHeadAttention
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "LayerNormalization",
     "MultiHeadAttention",
     "lean",
-    "lean_normalization",
 ]

@@ -35,7 +35,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     `synchronized=True`, channels on an axis other than the last, or a
     number of channels unknown when the call is traced.
 
-    `kmp.layers.lean_normalization(model)` puts this layer in place of
+    `kmp.layers.lean(model, attention=False)` puts this layer in place of
     Keras's in a model that is built and not compiled yet.
 
     Example:

@@ -31,7 +31,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
     `rms_scaling=True`, normalization over axes other than the last alone,
     or a last axis whose size is unknown when the call is traced.
 
-    `kmp.layers.lean_normalization(model)` puts this layer in place of
+    `kmp.layers.lean(model, attention=False)` puts this layer in place of
     Keras's in a model that is built and not compiled yet.
 
     Example:

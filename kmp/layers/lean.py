@@ -1,6 +1,6 @@
-"""`kmp.layers.lean` and `kmp.layers.lean_normalization`: a built model with
-kmp's layers that keep 16-bit tensors for the backward pass in place of
-Keras's that keep float32 copies."""
+"""`kmp.layers.lean`: a built model with kmp's layers, which keep 16-bit
+tensors for the backward pass, in place of Keras's, which keep float32
+copies."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _ALL = {
 }
 
 
-def lean(model: keras.Model) -> keras.Model:
+def lean(model: keras.Model, *, attention: bool = True) -> keras.Model:
     """A model that computes as `model` does, with its Keras
     `BatchNormalization`, `LayerNormalization`, `MultiHeadAttention` and
     `GroupQueryAttention` layers replaced by kmp's (`kmp.layers`).
@@ -61,6 +61,8 @@ def lean(model: keras.Model) -> keras.Model:
     Args:
         model: A built `keras.Sequential` or Functional `keras.Model`, not
             compiled yet.
+        attention: Whether the attention layers are replaced too. With
+            `False`, only the normalizations are.
 
     Returns:
         The new model, or `model` itself if it has no Keras layer to
@@ -85,49 +87,17 @@ def lean(model: keras.Model) -> keras.Model:
     ['MultiHeadAttention', 'LayerNormalization']
     >>> type(model.layers[1]).__module__
     'kmp.layers.multi_head_attention'
-    """
-    return _lean(model, _ALL, "lean")
-
-
-def lean_normalization(model: keras.Model) -> keras.Model:
-    """A model that computes as `model` does, with its Keras
-    `BatchNormalization` and `LayerNormalization` layers replaced by
-    `kmp.layers.BatchNormalization` and `kmp.layers.LayerNormalization`:
-    `kmp.layers.lean` for the normalizations alone.
-
-    Under a 16-bit policy the replacements keep each normalization's 16-bit
-    input for the backward pass where Keras's layers keep a float32 copy of
-    it, so training holds less memory; the values computed are the same up
-    to a 16-bit rounding of the output. Under float32 nothing changes. The
-    rebuild, what it refuses and what it leaves are `kmp.layers.lean`'s.
-
-    Args:
-        model: A built `keras.Sequential` or Functional `keras.Model`, not
-            compiled yet.
-
-    Returns:
-        The new model, or `model` itself if it has no Keras normalization
-        layer to replace.
-
-    Raises:
-        TypeError: if `model` is not a Keras model.
-        ValueError: if `model` is not of Keras's `Sequential` or Functional
-            class, is not built, or is compiled.
-
-    Example:
-
-    >>> kmp.set_policy("mixed_bfloat16")
-    <Policy "mixed_bfloat16": ...>
-    >>> model = keras.Sequential([
+    >>> convnet = keras.Sequential([
     ...     keras.Input((8, 8, 3)),
     ...     keras.layers.Conv2D(4, 3),
     ...     keras.layers.BatchNormalization(),
     ... ])
-    >>> model = kmp.layers.lean_normalization(model)
-    >>> type(model.layers[1]).__module__
+    >>> type(kmp.layers.lean(convnet, attention=False).layers[1]).__module__
     'kmp.layers.batch_normalization'
     """
-    return _lean(model, _NORMALIZATIONS, "lean_normalization")
+    if attention:
+        return _lean(model, _ALL, "lean")
+    return _lean(model, _NORMALIZATIONS, "lean")
 
 
 def _lean(model, replacements: dict, name: str) -> keras.Model:

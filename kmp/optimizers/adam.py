@@ -11,7 +11,7 @@ is below half a bfloat16 step (Adam's second moment changes by 0.1 % per
 step at `beta_2=0.999`, a quarter of a step). The weights stay float32.
 Stochastic rounding draws a random integer per stored value per step, so
 the update does more work than Keras's (a pass more per moment); where kmp
-fuses the update (`kmp.fused`), that pass is fused with the rest.
+fuses the update (`fused_update=`), that pass is fused with the rest.
 
 Keras offers no such option; these classes subclass Keras's own `Adam` and
 `AdamW`, with every option of theirs (weight decay, clipping, EMA,
@@ -175,7 +175,7 @@ class Adam(_HalfState, keras.optimizers.Adam):
     ['bfloat16', 'bfloat16', 'bfloat16', 'bfloat16']
     """
 
-    # Tested to compute, fused (`kmp.fused`), what its own update computes
+    # Tested to compute, fused (`fused_update=`), what its own update computes
     # (tests/test_fused.py); read from this class alone, not a subclass.
     _kmp_fused_tested = True
 
@@ -227,7 +227,7 @@ class AdamW(_HalfState, keras.optimizers.AdamW):
     ('bfloat16', 'stochastic')
     """
 
-    # Tested to compute, fused (`kmp.fused`), what its own update computes
+    # Tested to compute, fused (`fused_update=`), what its own update computes
     # (tests/test_fused.py); read from this class alone, not a subclass.
     _kmp_fused_tested = True
 

@@ -59,7 +59,7 @@ class Decision:
             kmp leaves alone because its policy is not a float policy.
         rule: What decided it (`'policy'`, `'explicit dtype='`,
             `'rule Dense'`, `'default: softmax in float32'`, ...).
-        kind: Its `kmp.rules.LayerKind` and the kind's source, if known.
+        kind: Its `LayerKind` and the kind's source, if known.
         explicit: True when the user gave the layer its own `dtype=`.
         note: Why a default did not apply here, if it did not.
     """
@@ -127,7 +127,7 @@ def is_float_layer(layer: keras.layers.Layer) -> bool:
     """False for layers kmp must leave alone: a non-float policy (Hashing,
     StringLookup, integer preprocessing). A quantized layer is a float layer
     here: kmp decides the float policy it computes in around its quantized
-    weights (`kmp.quantization`)."""
+    weights (`kmp.precision.quantization`)."""
     # Preprocessing layers may compute in another dtype than their policy's
     # (StringLookup: 'string'); `compute_dtype` is what they run in.
     return keras.backend.is_float_dtype(layer.compute_dtype)

@@ -64,7 +64,8 @@ def attention_scores(compute_dtype: str | None = None) -> str:
 
     Example:
 
-    >>> kmp.rules.attention_scores(), kmp.rules.attention_scores("float16")
+    >>> from kmp.precision.attention import attention_scores
+    >>> attention_scores(), attention_scores("float16")
     ('auto', 'float32')
     """
     if compute_dtype is None or _attention_mode != "auto":

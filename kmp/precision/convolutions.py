@@ -34,9 +34,14 @@ def set_cpu_convolutions(mode: str) -> None:
     Example:
 
     >>> kmp.rules.set_cpu_convolutions("memory")
-    >>> kmp.rules.cpu_convolutions()
-    'memory'
-    >>> kmp.rules.set_cpu_convolutions("speed")
+    >>> kmp.set_policy("mixed_float16")
+    <Policy "mixed_float16": ...>
+    >>> model = kmp.prepare(keras.Sequential([
+    ...     keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv"),
+    ...     keras.layers.Flatten(), keras.layers.Dense(1)]))
+    >>> model.get_layer("conv").compute_dtype
+    'float16'
+    >>> kmp.rules.set_cpu_convolutions("speed")  # the default
     """
     global _mode
     if mode not in CONVOLUTION_MODES:

@@ -172,47 +172,60 @@ _registered: dict[str, Default] = {}
 _registered_lock = threading.Lock()
 
 
-def register_layer_class(
-    layer_class: type | str, kind: LayerKind, *, source: str = "registered"
-) -> Default:
-    """Tells kmp what a layer class does with precision, so that its rules
-    and reports treat it like the layers in `kmp.rules.DEFAULTS`.
+# The kinds a user can name in `register_layer_class`.
+KINDS = {
+    "normalization_float32_inside": NORMALIZATION_FLOAT32_INSIDE,
+    "normalization_16bit": NORMALIZATION_16BIT,
+    "softmax": SOFTMAX,
+    "attention_own_code": ATTENTION_OWN_CODE,
+    "attention_float32_softmax": ATTENTION_FLOAT32_SOFTMAX,
+}
 
-    A library or a user registers its own classes: a normalization that
-    already computes in float32 inside (`NORMALIZATION_FLOAT32_INSIDE`: kmp
-    leaves it and reports it), a softmax-like layer that should compute in
-    float32 where its interface allows (`SOFTMAX`), an attention layer whose
-    code is its own (`ATTENTION_OWN_CODE` or `ATTENTION_FLOAT32_SOFTMAX`).
-    A registration replaces a default for the same class; subclasses match
-    too, the most specific registered class first.
+
+def register_layer_class(
+    layer_class: type | str, kind: str, *, source: str = "registered"
+) -> None:
+    """Tells kmp what a layer class does with precision, so that its rules
+    and reports treat it like the Keras layers kmp knows.
+
+    The kinds:
+
+    * `'normalization_float32_inside'`: a normalization that computes in
+      float32 inside already. kmp leaves it and reports it.
+    * `'normalization_16bit'`: a normalization that reduces in the compute
+      dtype. It computes in float32 where its interface allows.
+    * `'softmax'`: a softmax-like layer. It computes in float32 where its
+      interface allows.
+    * `'attention_own_code'`: an attention layer whose own code computes its
+      scores in the compute dtype. kmp reports it.
+    * `'attention_float32_softmax'`: an attention layer whose own code
+      computes its softmax in float32. kmp reports it.
+
+    A registration replaces any earlier one for the same class, and kmp's
+    default for it. Subclasses match too, the most specific class first.
 
     Args:
         layer_class: A `keras.layers.Layer` subclass, or its qualified name
             (`'mylib.layers.FancyNorm'`), which matches without importing it.
-        kind: One of the `LayerKind` values in `kmp.precision.kinds` (or your own).
+        kind: One of the kinds above.
         source: Whose class it is, shown in reports.
 
-    Returns:
-        The registration.
-
     Raises:
-        TypeError: if `layer_class` is not a layer class or a dotted name, or
-            `kind` is not a `LayerKind`.
+        TypeError: if `layer_class` is not a layer class or a dotted name.
+        ValueError: if `kind` is not one of the kinds above.
 
     Example:
 
     >>> class ScaledSoftmax(keras.layers.Layer):
     ...     def call(self, x):
     ...         return keras.ops.softmax(x * 2.0)
-    >>> _ = kmp.rules.register_layer_class(ScaledSoftmax, kmp.rules.SOFTMAX,
-    ...                                    source="mylib")
+    >>> kmp.rules.register_layer_class(ScaledSoftmax, "softmax", source="mylib")
     >>> kmp.set_policy("mixed_bfloat16")
     <Policy "mixed_bfloat16": ...>
     >>> model = kmp.prepare(keras.Sequential([
     ...     keras.Input((8,)), ScaledSoftmax(name="p"), keras.layers.Dense(2)]))
     >>> model.get_layer("p").compute_dtype
     'float32'
-    >>> kmp.rules.unregister_layer_class(ScaledSoftmax)
     """
     if isinstance(layer_class, type):
         if not issubclass(layer_class, keras.layers.Layer):
@@ -226,29 +239,14 @@ def register_layer_class(
             "its qualified name, such as 'mylib.layers.FancyNorm'. Received: "
             f"{layer_class!r}."
         )
-    if not isinstance(kind, LayerKind):
-        raise TypeError(
-            "kind must be a kmp.rules.LayerKind, such as "
-            "kmp.rules.NORMALIZATION_FLOAT32_INSIDE or kmp.rules.SOFTMAX. "
-            f"Received: {kind!r} (of type {type(kind).__name__})."
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(
+            f"kind must be one of {', '.join(repr(k) for k in KINDS)}. "
+            f"Received: {kind!r}."
         )
-    entry = Default(layer_class, kind, source)
+    entry = Default(layer_class, KINDS[kind], source)
     with _registered_lock:
         _registered[entry.qualname] = entry
-    return entry
-
-
-def unregister_layer_class(layer_class: type | str) -> None:
-    """Removes a registration made with `register_layer_class` (the defaults
-    in `DEFAULTS` stay).
-
-    Example:
-
-    >>> kmp.rules.unregister_layer_class("mylib.layers.Unknown")  # no-op
-    """
-    name = layer_class if isinstance(layer_class, str) else qualified_name(layer_class)
-    with _registered_lock:
-        _registered.pop(name, None)
 
 
 def _clear_registrations() -> None:

@@ -209,7 +209,7 @@ def list_policies() -> list[str]:
 
     Example:
 
-    >>> kmp.list_policies()[:6]
+    >>> kmp.precision.policy.list_policies()[:6]
     ['float32', 'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16', 'auto']
     """
     builtin = [p.name for p in _BUILTIN]
@@ -240,7 +240,7 @@ def register_policy(policy: Policy) -> Policy:
     ...     kmp.get_policy().name
     'fast'
 
-    See also: `kmp.set_policy`, `kmp.list_policies`.
+    See also: `kmp.set_policy`.
     """
     if not isinstance(policy, Policy):
         raise TypeError(
@@ -330,10 +330,10 @@ def set_policy(policy: str | Policy | keras.DTypePolicy) -> Policy:
     kmp-specific code.
 
     On a machine without GPUs, a float16 policy also turns off grappler's
-    remapper while it is in force (see `kmp.hardware.apply_fast_paths`).
+    remapper while it is in force (`kmp doctor` says why).
 
     Args:
-        policy: A name from `kmp.list_policies()` (`'float32'`,
+        policy: A policy name (`'float32'`,
             `'mixed_float16'`, `'mixed_bfloat16'`, `'float16'`, `'bfloat16'`,
             `'auto'` or a registered name), a `kmp.Policy` or a
             `keras.DTypePolicy`.

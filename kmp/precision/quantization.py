@@ -23,9 +23,9 @@ Example:
 >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
 >>> model.quantize("int8")
 >>> dense = model.layers[0]
->>> kmp.quantization.mode(dense), kmp.quantization.float_part(dense)
+>>> kmp.precision.quantization.mode(dense), kmp.precision.quantization.float_part(dense)
 ('int8', 'mixed_bfloat16')
->>> kmp.quantization.set_float_part(dense, "float32")
+>>> kmp.precision.quantization.set_float_part(dense, "float32")
 >>> dense.dtype_policy.name
 'int8_from_float32'
 """

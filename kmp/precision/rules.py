@@ -25,8 +25,8 @@ the next piece of user code:
   `GroupNormalization`, `RMSNormalization`) already compute their
   statistics in float32 on 16-bit inputs and return the compute dtype: kmp
   leaves them alone, and its report says "float32 inside (Keras)". So do
-  the KerasHub normalizations `kmp.rules.DEFAULTS` lists as
-  `NORMALIZATION_FLOAT32_INSIDE` (T5's computes in the compute dtype).
+  the KerasHub normalizations kmp knows to compute in float32 inside
+  (T5's computes in the compute dtype).
 * The model's outputs become float32 (every output, whatever its
   activation): the layer that produces an output of a Functional or
   Sequential model (directly, or through ops that keep its dtype) computes
@@ -55,8 +55,9 @@ Resolution order, for each float layer (first match wins):
    its subclasses) or `kmp.set_layer_policy("class:<glob>", policy)` (matched
    against the layer's class name).
 4. kmp's defaults, which apply only where the policy in force computes in a
-   16-bit dtype: the layer kinds in `kmp.rules.DEFAULTS` (what kmp does
-   with each, and why), and float32 for the layers that produce the model's outputs.
+   16-bit dtype: the layer kinds kmp knows (the precision report says what
+   kmp does with each, and why), and float32 for the layers that produce
+   the model's outputs.
 5. The policy of the enclosing layer: the model's own policy at the top, and a
    container layer's decided policy for the layers inside it (so
    `kmp.set_layer_policy(MyBlock, "float32")` puts the whole block in float32).
@@ -248,7 +249,7 @@ def layer_rules() -> list[LayerRule]:
 
     >>> kmp.set_layer_policy(keras.layers.Conv2D, "float32")
     LayerRule(kind='class', selector=<class '...Conv2D'>, policy=...)
-    >>> [rule.describe() for rule in kmp.layer_rules()]
+    >>> [rule.describe() for rule in kmp.precision.rules.layer_rules()]
     ['rule Conv2D']
     """
     with _rules_lock:
@@ -260,11 +261,16 @@ def clear_layer_policies() -> None:
 
     Example:
 
-    >>> kmp.set_layer_policy("name:head", "float32")
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> kmp.set_layer_policy("name:hidden", "float32")
     LayerRule(...)
     >>> kmp.clear_layer_policies()
-    >>> kmp.layer_rules()
-    []
+    >>> model = kmp.prepare(keras.Sequential([
+    ...     keras.Input((4,)), keras.layers.Dense(4, name="hidden"),
+    ...     keras.layers.Dense(1)]))
+    >>> model.get_layer("hidden").compute_dtype
+    'bfloat16'
     """
     with _rules_lock:
         _rules.clear()

@@ -83,7 +83,7 @@ def logged(model: Any, metric: Any, opt: Any):
         for m in model.metrics
         if m is not metric and m.name == "loss" and isinstance(m, keras.metrics.Mean)
     ]
-    applied = opt.applied_loss
-    if len(trackers) != 1 or not applied.built or not opt.loss_recorded:
+    applied = opt._applied_loss
+    if len(trackers) != 1 or not applied.built or not opt._loss_recorded:
         return None
     return applied.mean()

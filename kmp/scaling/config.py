@@ -1,5 +1,6 @@
-"""Loss-scale settings: the modes, `kmp.LossScaleConfig` and its checks, and
-`kmp.LossScaleError`."""
+"""Loss-scale settings: the modes, `LossScaleConfig` and its checks,
+`kmp.LossScaleError`, and the check of what else a `kmp.LossScaleOptimizer`
+is given (`checked_inner`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import numbers
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -21,6 +23,18 @@ NONE = "none"
 
 
 MODES = (DYNAMIC, STATIC, NONE)
+
+# Settings a loss-scale optimizer refuses: they act on the inner one's
+# (unscaled) gradients.
+_INNER_ONLY_ARGS = (
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "weight_decay",
+    "use_ema",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
 
 
 class LossScaleError(ValueError):
@@ -74,7 +88,7 @@ def _check_count(name: str, value: Any) -> int:
     if number is None or number < 1:
         raise LossScaleError(
             f"{name} must be an integer >= 1. Received: {name}={value!r}. "
-            f"Use, for example, {name}=2000 for growth_interval or 1 for hysteresis."
+            "Use, for example, dynamic_growth_steps=2000 or hysteresis=1."
         )
     return int(number)
 
@@ -85,10 +99,10 @@ class LossScaleConfig:
 
     Args:
         initial_scale: The scale to start from (the fixed scale in static mode).
-        growth_factor: Multiplies the scale after `growth_interval` finite
+        growth_factor: Multiplies the scale after `dynamic_growth_steps` finite
             steps in a row; in (1, inf).
         backoff_factor: Multiplies the scale on an overflow; in (0, 1).
-        growth_interval: Finite steps in a row before the scale grows.
+        dynamic_growth_steps: Finite steps in a row before the scale grows.
         min_scale: The floor; the scale never goes below it.
         max_scale: The ceiling; the scale never goes above it.
         hysteresis: Back off on the N-th consecutive overflow (1 = at once;
@@ -100,7 +114,8 @@ class LossScaleConfig:
 
     Example:
 
-    >>> config = kmp.LossScaleConfig(initial_scale=2.0**10, growth_interval=100)
+    >>> from kmp.scaling.config import LossScaleConfig
+    >>> config = LossScaleConfig(initial_scale=2.0**10, dynamic_growth_steps=100)
     >>> config.backoff_factor
     0.5
     """
@@ -108,7 +123,7 @@ class LossScaleConfig:
     initial_scale: float = 2.0**15
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    dynamic_growth_steps: int = 2000
     min_scale: float = 1.0
     max_scale: float = 2.0**24
     hysteresis: int = 1
@@ -128,7 +143,7 @@ class LossScaleConfig:
             object.__setattr__(
                 self, name, _check_positive_finite(name, getattr(self, name))
             )
-        for name in ("growth_interval", "hysteresis"):
+        for name in ("dynamic_growth_steps", "hysteresis"):
             object.__setattr__(self, name, _check_count(name, getattr(self, name)))
         if not self.growth_factor > 1:
             raise LossScaleError(
@@ -164,3 +179,45 @@ class LossScaleConfig:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScaleConfig:
         return cls(**config)
+
+
+def checked_inner(inner_optimizer: Any, kwargs: dict) -> Any:
+    """The inner optimizer of a `kmp.LossScaleOptimizer`, once the other
+    arguments it was given (`kwargs`) are checked: settings that belong on
+    the inner optimizer are refused, with the fix."""
+    bad = [
+        k for k in kwargs if k in _INNER_ONLY_ARGS and kwargs[k] not in (None, False)
+    ]
+    if bad:
+        raise ValueError(
+            f"LossScaleOptimizer does not take {', '.join(bad)}: it would act "
+            "on scaled gradients. Set it on the inner optimizer instead, "
+            f"e.g. keras.optimizers.Adam({bad[0]}=...), which kmp feeds "
+            "unscaled gradients."
+        )
+    unknown = [k for k in kwargs if k not in _INNER_ONLY_ARGS]
+    if unknown:
+        raise TypeError(
+            f"LossScaleOptimizer got unexpected arguments: {', '.join(unknown)}. "
+            "It takes inner_optimizer, initial_scale, dynamic_growth_steps, "
+            "growth_factor, backoff_factor, min_scale, max_scale, hysteresis, "
+            "mode, fused_update and name; "
+            "optimizer settings belong on the inner optimizer."
+        )
+    if isinstance(inner_optimizer, str):
+        inner_optimizer = keras.optimizers.get(inner_optimizer)
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"inner_optimizer is already a loss-scale optimizer "
+            f"({type(inner_optimizer).__name__}); wrapping it again would "
+            "scale the loss twice. Pass its inner optimizer instead: "
+            "kmp.LossScaleOptimizer(opt.inner_optimizer)."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "inner_optimizer must be a keras.optimizers.Optimizer (such as "
+            "keras.optimizers.Adam()) or an optimizer name such as 'adam'. "
+            f"Received: {inner_optimizer!r} (of type "
+            f"{type(inner_optimizer).__name__})."
+        )
+    return inner_optimizer

@@ -1,6 +1,7 @@
 """LoRA adapters that cannot learn: both factors all zero (what Keras's
 `.keras` format leaves after loading), found by reading the values eagerly
-at the optimizer's first apply, and said with both ways to go on."""
+at an optimizer's first apply (`warn_dead_adapters`), and said with both
+ways to go on."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ def dead_adapters(variables) -> list[str]:
     return dead
 
 
-def warn_dead_adapters(variables) -> None:
-    """Warns once per call when `dead_adapters(variables)` names layers, with
-    both ways to go on (the optimizer calls it at its first apply)."""
+def warn_dead_adapters(optimizer: Any, variables) -> None:
+    """Warns where `dead_adapters(variables)` names layers, with both ways to
+    go on. Reads them once per optimizer, at its first apply (which calls
+    it each time): later applies cost nothing."""
+    if not _warn.once(optimizer, "dead adapters"):
+        return
     dead = dead_adapters(variables)
     if not dead:
         return

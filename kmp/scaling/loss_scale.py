@@ -16,6 +16,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from kmp._base import warn as _warn
 from kmp.scaling.config import DYNAMIC
 from kmp.scaling.config import NONE
 from kmp.scaling.config import STATIC
@@ -73,7 +74,7 @@ class LossScale:
     Example:
 
     >>> scale = kmp.scaling.loss_scale.LossScale(
-    ...     kmp.LossScaleConfig(initial_scale=8.0),
+    ...     kmp.scaling.config.LossScaleConfig(initial_scale=8.0),
     ...     lambda name, dtype, value: keras.Variable(value, dtype=dtype, name=name))
     >>> float(scale.scale(keras.ops.convert_to_tensor(2.0)))
     16.0
@@ -87,7 +88,7 @@ class LossScale:
     def __init__(self, config: LossScaleConfig, make_variable: Callable):
         if not isinstance(config, LossScaleConfig):
             raise TypeError(
-                "LossScale expects a kmp.LossScaleConfig. Received: "
+                "LossScale expects a LossScaleConfig. Received: "
                 f"{config!r} (of type {type(config).__name__})."
             )
         self.config = config
@@ -169,10 +170,10 @@ SIXTEEN_BIT_LOSS = (
 )
 
 
-def check_loss(loss, mode: str) -> bool:
-    """Refuses a loss that cannot be scaled (not floating point); True for a
-    16-bit one while scaling, of which the caller warns
-    (`SIXTEEN_BIT_LOSS`)."""
+def check_loss(loss, mode: str, owner: object) -> bool:
+    """Refuses a loss that cannot be scaled (not floating point). Returns
+    True for a 16-bit loss while scaling, and warns of it once per `owner`
+    (its optimizer: `SIXTEEN_BIT_LOSS`)."""
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
         return False
@@ -182,4 +183,7 @@ def check_loss(loss, mode: str) -> bool:
             f"The loss must be a floating-point tensor to be scaled. Received a "
             f"loss of dtype {dtype.name}. Cast it first: tf.cast(loss, 'float32')."
         )
-    return mode != NONE and dtype.size < 4
+    sixteen_bit = mode != NONE and dtype.size < 4
+    if sixteen_bit and _warn.once(owner, "16-bit loss"):
+        _warn.warn(SIXTEEN_BIT_LOSS.format(dtype=dtype.name))
+    return sixteen_bit

@@ -39,18 +39,41 @@ def saved_variables(state: dict[str, Any]) -> dict[str, Any]:
     return saved
 
 
-def save(state: dict[str, Any], store) -> None:
-    """Writes `state` (name -> variable) into `store` by name."""
-    store[FORMAT_KEY] = np.asarray(SAVE_FORMAT)
-    for key, variable in saved_variables(state).items():
-        store[key] = keras.ops.convert_to_numpy(variable)
+class SavedState:
+    """The variables of a `kmp.LossScaleOptimizer` that are state, by name:
+    what it saves and restores. A plain object, which Keras's and
+    TensorFlow's attribute tracking store as it is (the optimizer's
+    `add_variable` tracks the variables themselves).
+
+    Attributes:
+        variables: Name -> variable, in the order they were added.
+    """
+
+    def __init__(self):
+        self.variables: dict[str, Any] = {}
+
+    def add(self, name: str, variable: Any) -> Any:
+        """Adds `variable` under `name`; returns it."""
+        self.variables[name] = variable
+        return variable
+
+    def save(self, store) -> None:
+        """Writes the variables into `store` by name."""
+        store[FORMAT_KEY] = np.asarray(SAVE_FORMAT)
+        for key, variable in saved_variables(self.variables).items():
+            store[key] = keras.ops.convert_to_numpy(variable)
+
+    def load(self, optimizer: Any, by_position: list, store) -> None:
+        """Restores the variables from `store`, by name. A file saved by
+        position is read into `by_position` (the optimizer's variables in
+        the order they were saved then)."""
+        _load(optimizer, self.variables, by_position, store)
 
 
-def load(optimizer: Any, state: dict[str, Any], by_position: list, store) -> None:
-    """Restores `state` from `store`, by name; a file saved by position is
-    read into `by_position` (the optimizer's variables in the order they were
-    saved then). A value of another shape than its variable's is not
-    restored; whatever is not restored is named in one warning."""
+def _load(optimizer: Any, state: dict[str, Any], by_position: list, store) -> None:
+    """Restores `state` from `store`, by name (see `SavedState.load`). A
+    value of another shape than its variable's is not restored; whatever is
+    not restored is named in one warning."""
     keys = set(store.keys())
     if FORMAT_KEY not in keys:
         _load_by_position(optimizer, by_position, store)

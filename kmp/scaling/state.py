@@ -88,7 +88,7 @@ def next_state(
             consecutive_skips = 0
             hysteresis_left = hysteresis
             good_steps += 1                      # saturating
-            if mode == "dynamic" and good_steps >= growth_interval:
+            if mode == "dynamic" and good_steps >= dynamic_growth_steps:
                 scale = min(scale * growth_factor, max_scale)
                 good_steps = 0
         else:
@@ -134,7 +134,7 @@ def next_state(
     good_after = _saturating_increment(good)
     zero = ops.zeros_like(good)
     if config.mode == DYNAMIC:
-        grow = ops.logical_and(finite, good_after >= config.growth_interval)
+        grow = ops.logical_and(finite, good_after >= config.dynamic_growth_steps)
         grown = ops.minimum(scale * config.growth_factor, config.max_scale)
         backoff_now = ops.logical_and(ops.logical_not(finite), hyst <= 1)
         backed_off = ops.maximum(scale * config.backoff_factor, config.min_scale)

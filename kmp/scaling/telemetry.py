@@ -44,8 +44,8 @@ logger = logging.getLogger("kmp")
 
 
 def loss_scale_of(optimizer: Any):
-    """The loss-scale variable of an optimizer that scales the loss (kmp's
-    `loss_scale`, or Keras's own wrapper's `dynamic_scale`), or None."""
+    """The loss-scale variable (`dynamic_scale`) of an optimizer that scales
+    the loss, kmp's or Keras's own wrapper, or None."""
     if isinstance(optimizer, optimizer_lib.LossScaleOptimizer):
         return optimizer.dynamic_scale if optimizer.mode != "none" else None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -105,7 +105,7 @@ class LossScaleTelemetry(keras.metrics.Metric):
         for label, opt in self._optimizers().items():
             if isinstance(opt, optimizer_lib.LossScaleOptimizer):
                 self.start_variable(label).assign(opt.skipped_steps_total)
-                opt.applied_loss.reset()
+                opt._applied_loss.reset()
 
     def result(self):
         optimizers = self._optimizers()
@@ -115,7 +115,7 @@ class LossScaleTelemetry(keras.metrics.Metric):
             prefix = "" if len(optimizers) == 1 else f"{label}_"
             if isinstance(opt, optimizer_lib.LossScaleOptimizer):
                 # Only in training steps: evaluate() keeps returning what it did.
-                if not opt.took_step():
+                if not opt._ledger.took_step():
                     continue
                 trained = True
                 values = _values(opt, prefix, self.start_variable(label))

@@ -25,9 +25,13 @@ that scaled no loss and whose optimizer never handed out unscaled
 gradients, gradients computed by a tape's backward pass in that trace
 without reading the loss scale (a custom `train_step` that never calls
 `scale_loss`) cannot hold the scale: they are applied as they are, with a
-one-time warning naming the line to add. Gradients that enter the traced
-function as values (its arguments, captured tensors, a variable's value,
-or what is computed from those alone) follow the contract.
+one-time warning naming the line to add. kmp reads this from TensorFlow's
+traced graph, and checks that reading once per process on a tiny trace
+whose answers are known (`_misread_cases`). Where the check fails, a traced
+`apply` with no loss scaled raises an error naming the line to write
+instead. Gradients that enter the traced function as values (its
+arguments, captured tensors, a variable's value, or what is computed from
+those alone) follow the contract.
 
 What kmp records, per step context (the outermost graph being traced, or
 eager execution) since the last `apply` there, is used to refuse sequences
@@ -45,11 +49,13 @@ saved; `scaled=` always decides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
 import tensorflow as tf
 
+from kmp._base import warn as _warn
 from kmp.internals import keras_private
 from kmp.scaling.config import LossScaleError
 
@@ -129,6 +135,19 @@ class Ledger:
 
     # --- what apply does --------------------------------------------------
 
+    def unscaled(self, grads, variables, scaled, contract, scale, owner) -> list:
+        """The gradients handed to `owner.apply` as its inner optimizer must
+        see them: unscaled where they are the gradients of a scaled loss
+        (`decide`). `scale` is the owner's `LossScale`."""
+        decision = self.decide(grads, scaled, contract, scale.value, scale.scaling)
+        if not scale.scaling:
+            return grads
+        if decision == NEVER_SCALED and _warn.once(owner, "never scaled"):
+            _warn.warn(NEVER_SCALED_WARNING)
+        if decision == SCALED:
+            return scale.unscale(grads, variables)
+        return grads
+
     def decide(
         self,
         grads: list[Any],
@@ -207,6 +226,19 @@ class Ledger:
                 "gradients, loss = optimizer.scale_loss(loss), or say which "
                 "they are: optimizer.apply(grads, variables, scaled=True) or "
                 "scaled=False."
+            )
+        misread = _misread_cases()
+        if misread:
+            raise LossScaleError(
+                "apply() received gradients in a traced step that scaled no "
+                "loss, and kmp cannot tell whether they are scaled on "
+                f"TensorFlow {tf.__version__}. kmp reads that from the traced "
+                "graph, and this TensorFlow fails kmp's check of that reading "
+                f"({'; '.join(misread)}). Scale the loss before taking "
+                "gradients: loss = optimizer.scale_loss(loss). Or say which "
+                "they are: optimizer.apply(grads, variables, scaled=False) for "
+                "the gradients of a loss never scaled, scaled=True for the "
+                "gradients of scale_loss(loss)."
             )
         if _computed_without_the_scale(grads, scale_variable):
             return NEVER_SCALED
@@ -331,6 +363,72 @@ def _computed_without_the_scale(grads, scale_variable) -> bool:
             if id(inp) not in seen:
                 stack.append(inp)
     return True
+
+
+# What `_computed_without_the_scale` must read in the self-check's trace.
+_KNOWN_ANSWERS = {
+    "a loss never scaled, in a function": True,
+    "a loss times the scale, in a function": False,
+    "gradients handed in as an argument": False,
+    "a loss never scaled, in a loop body": True,
+    "a loss times the scale, in a loop body": False,
+}
+
+
+@functools.cache
+def _misread_cases() -> tuple[str, ...]:
+    """The self-check: the cases of a tiny trace, with known answers, that
+    `_computed_without_the_scale` reads wrongly on this TensorFlow.
+
+    That function reads TensorFlow internals: the backward pass's name
+    scope, the leaf op types, a function's captures and a loop body's outer
+    graph. This checks them once per process, the first time kmp needs
+    them, so that a TensorFlow that changed one makes kmp raise, never
+    divide.
+
+    The trace is built in a graph of its own, so the caller's trace,
+    strategy and name scopes are left as they are. It is traced, never run.
+
+    Returns:
+        The cases read wrongly, each with what was read; empty where all
+        are right.
+    """
+    read: dict[str, Any] = {}
+    try:
+        with tf.Graph().as_default():
+            w = tf.Variable(3.0)
+            scale = tf.Variable(1024.0)
+
+            def read_gradients(case: str, scaled: bool) -> None:
+                with tf.GradientTape() as tape:
+                    loss = w * w
+                    if scaled:
+                        loss = loss * scale
+                grads = tape.gradient(loss, [w])
+                read[case] = _computed_without_the_scale(grads, scale)
+
+            def loop_body(i):
+                read_gradients("a loss never scaled, in a loop body", False)
+                read_gradients("a loss times the scale, in a loop body", True)
+                return i + 1
+
+            def step(handed_in):
+                read_gradients("a loss never scaled, in a function", False)
+                read_gradients("a loss times the scale, in a function", True)
+                read["gradients handed in as an argument"] = (
+                    _computed_without_the_scale([handed_in], scale)
+                )
+                tf.while_loop(lambda i: i < 1, loop_body, [0])
+
+            step = tf.function(step, autograph=False)
+            step.get_concrete_function(tf.TensorSpec([]))
+    except Exception as error:  # any change in what kmp reads
+        return (f"the trace raised {error!r}",)
+    return tuple(
+        f"{case}: read {read.get(case)}, expected {answer}"
+        for case, answer in _KNOWN_ANSWERS.items()
+        if read.get(case) is not answer
+    )
 
 
 NEVER_SCALED_WARNING = (

@@ -49,7 +49,7 @@ def attach(
     after `keras.models.load_model`: a train step already traced is traced
     again, with the telemetry, at the next `fit`. A `train_step` that
     returns its own dict, and a model whose state Keras has locked, get them
-    from kmp's train function (`kmp.training.train_function`), which `attach` sets.
+    from kmp's train function, which `attach` sets.
 
     The optimizers reported are the last named (by `kmp.compile`, which
     names the ones it wrapped, or as `optimizers` here), else

@@ -49,17 +49,16 @@ def compile(
       `History`; with `auto_scale_loss=False` too.
 
     An optimizer that already is a loss-scale optimizer (kmp's or Keras's) is
-    kept. The float32 weight update is fused by XLA where that helps
-    (`kmp.fused`). The precision report says what was
+    kept. The float32 weight update is fused by XLA where that helps.
+    The precision report says what was
     decided (`kmp.precision_report(model).loss_scaling`).
 
     Args:
         model: The Keras model to compile.
         *args: Positional arguments of `model.compile`.
         fused_update: `None` (default) fuses the optimizer update where that
-            helps (`kmp.fused`: Keras's optimizer classes, updates of at
-            least `kmp.fused.MIN_WEIGHTS` weights, machines without GPUs or
-            TPUs);
+            helps: Keras's optimizer classes tested for it, updates of at
+            least a million weights, machines without GPUs or TPUs;
             `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
         sample: A batch of inputs (real data). Where the model computes in
@@ -227,7 +226,7 @@ def _refuse_tf_keras_2_contract_in_keras_train_step(model, optimizers: dict) -> 
     not take: refused here, before anything trains."""
     own_step = type(model).train_step is keras.Model.train_step
     for name, opt in optimizers.items():
-        if own_step and getattr(opt, "contract", None) == unscaling.UNSCALED:
+        if own_step and getattr(opt, "_contract", None) == unscaling.UNSCALED:
             raise ValueError(
                 f"{name} is a kmp.mixed_precision.LossScaleOptimizer, whose "
                 "apply_gradients takes unscaled gradients (tf.keras 2's "

@@ -98,13 +98,13 @@ def _error(
 ) -> TrainingCollapsedError:
     """The error for `opt` (`label`: its name where there are several),
     which skipped `in_a_row` steps in a row (`why`: with what scale)."""
-    if not opt.loss_recorded:
+    if not opt._loss_recorded:
         forward = False
         cause = (
             "The gradients are inf/NaN. kmp did not see the loss: the "
             "train_step does not call optimizer.scale_loss."
         )
-    elif not _number(opt.overflow_loss_finite):
+    elif not _number(opt.overflow_record.loss_finite):
         forward = True
         cause = (
             "The loss itself is inf/NaN: a layer overflows in the forward "

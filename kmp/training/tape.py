@@ -69,19 +69,20 @@ class ScaledGradientTape(tf.GradientTape):
         return self._optimizer
 
     def __enter__(self):
-        # While it records, a scale_loss() in the same step would scale twice.
-        self._optimizer.tape_recording(True)
+        # While it records, a scale_loss() in the same step would scale twice
+        # (the optimizer's ledger refuses it).
+        self._optimizer._ledger.tape_entered()
         try:
             return super().__enter__()
         except BaseException:
-            self._optimizer.tape_recording(False)
+            self._optimizer._ledger.tape_exited()
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._optimizer.tape_recording(False)
+            self._optimizer._ledger.tape_exited()
 
     def gradient(
         self,
@@ -99,11 +100,11 @@ class ScaledGradientTape(tf.GradientTape):
         divided.
         """
         for t in tf.nest.flatten(target):
-            if ls.check_loss(t, self._optimizer.mode):
-                # Its gradient starts at the scale, in its dtype.
-                self._optimizer.note_sixteen_bit_loss(t)
-            self._optimizer.record_loss(t)
-        scale = self._optimizer.loss_scale_object
+            # A 16-bit loss warns once: its gradient starts at the scale, in
+            # its dtype.
+            ls.check_loss(t, self._optimizer.mode, self._optimizer)
+            self._optimizer._record_loss(t)
+        scale = self._optimizer._scale
         if not scale.scaling:  # mode 'none': a plain tape
             return super().gradient(
                 target, sources, output_gradients, unconnected_gradients
@@ -118,5 +119,7 @@ class ScaledGradientTape(tf.GradientTape):
                 lambda o: o * tf.cast(value, o.dtype), output_gradients
             )
         grads = super().gradient(target, sources, seeds, unconnected_gradients)
-        flat = self._optimizer.unscale(tf.nest.flatten(grads), tf.nest.flatten(sources))
+        flat = self._optimizer._unscale(
+            tf.nest.flatten(grads), tf.nest.flatten(sources)
+        )
         return tf.nest.pack_sequence_as(grads, flat)

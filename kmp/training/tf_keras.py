@@ -112,7 +112,7 @@ class LossScaleOptimizer(optimizer_lib.LossScaleOptimizer):
     0.0
     """
 
-    contract = unscaling.UNSCALED
+    _contract = unscaling.UNSCALED
 
     def __init__(
         self,
@@ -142,7 +142,11 @@ class LossScaleOptimizer(optimizer_lib.LossScaleOptimizer):
                     if initial_scale is None
                     else initial_scale
                 ),
-                dynamic_growth_steps=dynamic_growth_steps,
+                dynamic_growth_steps=(
+                    ls_config.LossScaleConfig().dynamic_growth_steps
+                    if dynamic_growth_steps is None
+                    else dynamic_growth_steps
+                ),
                 **kmp_settings,
             )
             return
@@ -172,6 +176,37 @@ class LossScaleOptimizer(optimizer_lib.LossScaleOptimizer):
                 "<kmp.LossScaleOptimizer", "<kmp.mixed_precision.LossScaleOptimizer", 1
             )
         )
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the scale moves (mode `'dynamic'`)."""
+        return self.mode == ls_config.DYNAMIC
+
+    @property
+    def dynamic_counter(self) -> keras.Variable | None:
+        """The finite steps since the scale last changed (`None` unless
+        `dynamic`)."""
+        return self.good_steps if self.dynamic else None
+
+    def get_scaled_loss(self, loss):
+        """Returns `loss * scale`. Given a callable that returns the loss,
+        returns a callable that returns the scaled loss, as tf.keras 2 did."""
+        scale_loss = super().scale_loss
+        if callable(loss):
+            return lambda: scale_loss(loss())
+        return scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads, variables=None):
+        """Returns `grads / scale`: the unscaled gradients of a scaled loss,
+        to clip, log or hand to `apply_gradients`.
+
+        Args:
+            grads: Gradients of a scaled loss.
+            variables: Optional, their variables, so that Keras's
+                overwrite-with-gradient variables (float8 scales) are left
+                alone.
+        """
+        return self._unscale(grads, variables)
 
     def scale_loss(self, loss):
         """Refused: Keras 3's trainer calls `scale_loss` and then hands

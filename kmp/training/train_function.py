@@ -16,12 +16,11 @@ there is none). At its first call, inside `fit`:
   step and the step traced again if a layer changed;
 * where the model trains with Keras's own `train_step`, it builds the
   optimizer for the weights that step applies (`model.trainable_weights`)
-  before the step (`kmp.LossScaleOptimizer.build_for_apply`: TensorFlow
-  traces a step whose first trace created variables a second time, and
-  plain Keras builds its optimizer in that trace), and where kmp fuses the
-  update, it compiles it (`kmp.LossScaleOptimizer.compile_update_ahead`:
-  XLA's compiler then works before the step's activations exist, not
-  beside them);
+  before the step (TensorFlow traces a step whose first trace created
+  variables a second time, and plain Keras builds its optimizer in that
+  trace), and where kmp fuses the update, it compiles it
+  (`kmp.backend.fused.compile_ahead`: XLA's compiler then works before the
+  step's activations exist, not beside them);
 * it has Keras make its own train function, and calls it from then on;
 * after that first step (and the first after
   `kmp.telemetry.attach(model, optimizers=...)`), it warns where the step
@@ -42,6 +41,9 @@ returns the step's logs as the `train_step` wrote them.
 After each call from `fit`, it stops a run that trains nothing
 (`kmp.training.stall`), unless a `kmp.callbacks.NonFiniteGuard` watches
 this `fit` (`watched_by`).
+
+Before each call, it ends a watch of the forward pass that its `fit` did
+not renew (`kmp.diagnostics.forward_watch`), and the step is traced again.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ import keras
 import tensorflow as tf
 
 from kmp._base import warn as _warn
+from kmp.backend import fused
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
+from kmp.scaling import applies
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
-from kmp.scaling.optimizer import applies_recorded
 from kmp.training import stall
 
 # (model, per_epoch) -> the telemetry logs read after a step; (model) ->
@@ -113,15 +116,15 @@ class TrainFunction:
         model = self._model()
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, LossScaleOptimizer) and (
-            optimizer.forward_watch_lapsed()
+            optimizer._forward_watch is not None and optimizer._forward_watch.lapsed()
         ):
-            # A watch of the forward pass that its fit did not end.
+            # A watch of the forward pass that its fit did not renew: ended.
             self.retrace()
         if self._check:
             # The first call, or the first after the optimizers reported
             # changed: which loss-scale optimizers the step (traced then)
             # applies.
-            with applies_recorded() as applied:
+            with applies.recorded() as applied:
                 logs = self._step(model, iterator)
             self._check = False
             _warn_of_unreported(model, applied)
@@ -294,13 +297,12 @@ def _ready_optimizer(model: keras.Model) -> None:
     or `trainable_variables`, to train part of itself) and every layer is
     built (so that the list is the step's).
 
-    Built there (`kmp.LossScaleOptimizer.build_for_apply`), its variables
-    are not created inside the step's first trace, which TensorFlow would
-    then trace a second time. Compiled there
-    (`kmp.LossScaleOptimizer.compile_update_ahead`), XLA's compiler works
-    before the step's activations exist, not beside them. A `train_step` of
-    the model's own may apply other variables, or other optimizers, so
-    nothing is done ahead for it."""
+    Built there, its variables are not created inside the step's first
+    trace, which TensorFlow would then trace a second time. Compiled there
+    (`kmp.backend.fused.compile_ahead`), XLA's compiler works before the
+    step's activations exist, not beside them. A `train_step` of the
+    model's own may apply other variables, or other optimizers, so nothing
+    is done ahead for it."""
     optimizer = getattr(model, "optimizer", None)
     if not (
         type(model).train_step is keras.Model.train_step
@@ -311,12 +313,13 @@ def _ready_optimizer(model: keras.Model) -> None:
     applied = model.trainable_weights  # what Keras's train_step applies
     if not applied:  # it applies nothing
         return
-    with model.distribute_strategy.scope():
-        optimizer.build_for_apply(applied)
+    if not optimizer.built:
+        with model.distribute_strategy.scope():
+            optimizer.build(applied)
     # Where Keras compiles the whole step with XLA, the update is part of
     # that program: one compiled alone would never run.
     if getattr(model, "jit_compile", False) is not True:
-        optimizer.compile_update_ahead(applied)
+        fused.compile_ahead(optimizer, applied)
 
 
 def _warn_of_unreported(model: keras.Model, applied: list) -> None:
