@@ -173,5 +173,16 @@ def test_public_docstring_examples_use_only_public_names():
     assert found == []
 
 
+def test_public_docstrings_name_no_internal_module():
+    internal = r"kmp\.(backend|diagnostics|internals|planning|precision|scaling|"
+    internal += r"tools|training|_base)\.\w+"
+    found = [
+        f"{owner}: {match.group()}"
+        for owner, doc in _public_docstrings()
+        for match in re.finditer(internal, doc)
+    ]
+    assert found == []
+
+
 if __name__ == "__main__":
     API_PAGE.write_text(api_page())

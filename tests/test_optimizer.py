@@ -224,8 +224,10 @@ def test_config_round_trip():
 def test_growth_steps_have_one_name_keras_s_and_older_configs_still_load():
     opt = kmp.LossScaleOptimizer("sgd", dynamic_growth_steps=10)
     assert opt.dynamic_growth_steps == 10  # Keras's own attribute agrees
-    with pytest.raises(TypeError, match="unexpected arguments: growth_interval"):
+    with pytest.raises(TypeError, match="Write dynamic_growth_steps=10"):
         kmp.LossScaleOptimizer("sgd", growth_interval=10)
+    with pytest.raises(TypeError, match="positional"):
+        kmp.LossScaleOptimizer("sgd", 2.0**15, 2000, 2.0)  # Keras's order only
     older = opt.get_config()
     older["growth_interval"] = older.pop("dynamic_growth_steps")
     assert kmp.LossScaleOptimizer.from_config(older).config == opt.config

@@ -165,7 +165,7 @@ def test_tf_keras_skipped_steps_do_not_count_as_iterations():
 
 def test_torch_grad_scaling_update_scale():
     # GradScaler(init_scale=2, growth_factor=2, backoff_factor=0.5,
-    # dynamic_growth_steps=1): a finite step grows, an inf step backs off.
+    # growth_interval=1): a finite step grows, an inf step backs off.
     opt = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         initial_scale=2.0,

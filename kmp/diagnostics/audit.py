@@ -108,7 +108,7 @@ def precision_audit(
     """Lists, before training, the spots where 16-bit precision may hurt.
 
     The audit plans the model as `kmp.prepare` would (under `policy` if
-    given), traces one forward pass (`kmp.backend.tracing`; nothing runs), and names:
+    given), traces one forward pass (nothing runs), and names:
 
     * sensitive layers and outputs `kmp.prepare` would change but has not yet
       (the fix: `kmp.prepare`, which never changes what a layer hands to
@@ -127,7 +127,7 @@ def precision_audit(
     * with a `sample` batch: every layer whose activations on it reach
       float16's largest value (65504), or come within a factor `headroom`
       of it, measured by one forward pass with every layer in float32
-      (`kmp.backend.ranges`; the model's policies are restored after).
+      (the model's policies are restored after).
       Such a layer overflows in float16 whatever the loss scale: the fix
       is bfloat16 (float32's range) or that layer in float32.
 

@@ -91,6 +91,11 @@ def watch(
     )
 
 
+def end(optimizer: Any) -> None:
+    """Ends `optimizer`'s watch, if any. The step must be traced again."""
+    optimizer._forward_watch = None
+
+
 def renew(optimizer: Any) -> None:
     """Has `optimizer`'s watch, if any, hold for the next call too."""
     if optimizer._forward_watch is not None:

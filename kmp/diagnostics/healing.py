@@ -371,7 +371,7 @@ class OverflowHealer(keras.callbacks.Callback):
             if self.verbose:
                 print(f"kmp: {self.heals[self._unmeasured[0]]}")
             self._unmeasured = None
-        forward_watch.watch(self._optimizer())
+        forward_watch.end(self._optimizer())
         self._state = WATCHING
         train_function.retrace(self.model)
 

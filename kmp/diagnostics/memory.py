@@ -229,8 +229,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates, before training, the tensors a training step of `model`
     holds at its peak: weights, optimizer state, and the step's own tensors
-    measured by two forward and backward passes at small batch sizes (see
-    `kmp.diagnostics.memory`). The model's state is left as it was (the
+    measured by two forward and backward passes at small batch sizes. The
+    model's state is left as it was (the
     moving statistics a normalization layer updates are restored).
 
     Args:

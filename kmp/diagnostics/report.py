@@ -305,8 +305,8 @@ def precision_report(
 
     The report shows the model as it is: run `kmp.prepare` (or `kmp.compile`)
     first to see kmp's rules applied. What a layer returns and computes
-    inside is read from one traced forward pass (`kmp.backend.tracing`; nothing runs)
-    for built models; pass `trace=False` to skip it.
+    inside is read from one traced forward pass (nothing runs) for built
+    models; pass `trace=False` to skip it.
 
     With `sample=(x, y)` (or `(x, y, sample_weight)`) and a compiled model,
     it also measures, per layer computing in 16-bit, the fraction of its

@@ -51,8 +51,8 @@ def gradient_underflow(
             optimizer's current one (1.0 without loss scaling).
 
     Returns:
-        `kmp.backend.underflow.Underflow`: `.layers` per layer,
-        `.flushed_fraction` over all, `.advice()`.
+        An `Underflow`: `.layers` per layer, `.flushed_fraction` over all,
+        `.advice()`.
 
     Raises:
         ValueError: if the model is not compiled, or `scale` is not a

@@ -95,20 +95,18 @@ def lean(model: keras.Model, *, attention: bool = True) -> keras.Model:
     >>> type(kmp.layers.lean(convnet, attention=False).layers[1]).__module__
     'kmp.layers.batch_normalization'
     """
-    if attention:
-        return _lean(model, _ALL, "lean")
-    return _lean(model, _NORMALIZATIONS, "lean")
+    return _lean(model, _ALL if attention else _NORMALIZATIONS)
 
 
-def _lean(model, replacements: dict, name: str) -> keras.Model:
+def _lean(model, replacements: dict) -> keras.Model:
     if not isinstance(model, keras.Model):
         raise TypeError(
-            f"{name}() expects a keras.Model. Received: "
+            f"lean() expects a keras.Model. Received: "
             f"{model!r} (of type {type(model).__name__})."
         )
     if not keras_private.is_plain_graph_model(model):
         raise ValueError(
-            f"{name}() rebuilds models of Keras's own Sequential "
+            f"lean() rebuilds models of Keras's own Sequential "
             f"and Functional classes; {model.name!r} is a "
             f"{type(model).__name__}, which the rebuild would turn into a "
             "plain Sequential or Functional model, losing its code (its "
@@ -117,16 +115,16 @@ def _lean(model, replacements: dict, name: str) -> keras.Model:
         )
     if not model.built:
         raise ValueError(
-            f"{name}() needs a built model; {model.name!r} is "
+            f"lean() needs a built model; {model.name!r} is "
             "not built. Build it first (call it on a batch, or give it an "
             "Input)."
         )
     if model.compiled:
         raise ValueError(
-            f"{name}() takes a model before it is compiled; "
+            f"lean() takes a model before it is compiled; "
             f"{model.name!r} is compiled, and Keras's rebuild would compile "
             "the new model from its config, with a fresh optimizer and "
-            f"without kmp's loss scaling. Call {name}() first, "
+            f"without kmp's loss scaling. Call lean() first, "
             "then kmp.compile the model it returns."
         )
     left: list[str] = []
@@ -134,7 +132,7 @@ def _lean(model, replacements: dict, name: str) -> keras.Model:
     left = list(dict.fromkeys(left))  # a layer reached twice is named once
     if left:
         _warn.warn(
-            f"kmp.layers.{name} left {len(left)} layers as they were, each "
+            f"kmp.layers.lean left {len(left)} layers as they were, each "
             "keeping float32 copies of 16-bit tensors for the backward pass "
             f"where kmp's layer keeps the 16-bit ones: {'; '.join(left)}. Use "
             f"{_kmp_names(replacements)} in the code that creates them."

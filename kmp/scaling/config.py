@@ -195,6 +195,13 @@ def checked_inner(inner_optimizer: Any, kwargs: dict) -> Any:
             f"e.g. keras.optimizers.Adam({bad[0]}=...), which kmp feeds "
             "unscaled gradients."
         )
+    if "growth_interval" in kwargs:
+        value = kwargs["growth_interval"]
+        raise TypeError(
+            "LossScaleOptimizer takes the finite steps before the scale grows "
+            "as dynamic_growth_steps, Keras's name for it. Received: "
+            f"growth_interval={value!r}. Write dynamic_growth_steps={value!r}."
+        )
     unknown = [k for k in kwargs if k not in _INNER_ONLY_ARGS]
     if unknown:
         raise TypeError(

@@ -4,11 +4,16 @@ unscales the gradients, skips non-finite steps and moves the scale.
 It subclasses `keras.optimizers.LossScaleOptimizer`, so Keras's `compile`
 never wraps it again. The loss scale and its one transition, the gradient
 contract, the overflow record, the replicas' agreement, the fused update
-and the saved state each live in a module of their own. Other parts of kmp
-use private hooks: `_ledger`, `_record_loss`, `_unscale` and `_scale` (the
-tape), `_applied_loss` and `kmp.scaling.applies` (telemetry),
-`_forward_watch` (`kmp.diagnostics.forward_watch`) and `_fused_apply`
-(`kmp.backend.fused.compile_ahead`).
+and the saved state each live in a module of their own.
+
+Other parts of kmp use these private hooks:
+
+* `_ledger`, `_unscale`, `_record_loss`: the scaled tape.
+* `_scale`: the tape, the debugger and the replicas' check.
+* `_loss_recorded`, `_applied_loss`: telemetry, the stall check, the healer.
+* `_contract`: `kmp.compile`, which keeps an optimizer of either contract.
+* `_forward_watch`: the overflow healer (`kmp.diagnostics.forward_watch`).
+* `_fused_apply`: the fused update's compile-ahead.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner_optimizer: Any,
         initial_scale: float = _DEFAULT.initial_scale,
         dynamic_growth_steps: int = _DEFAULT.dynamic_growth_steps,
+        *,
         growth_factor: float = _DEFAULT.growth_factor,
         backoff_factor: float = _DEFAULT.backoff_factor,
         min_scale: float = _DEFAULT.min_scale,
@@ -319,7 +325,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         lora.warn_dead_adapters(self, variables)
         applies.applied(self)
         grads = self._ledger.unscaled(
-            grads, variables, scaled, self._contract, self._scale, self
+            grads,
+            variables,
+            scaled=scaled,
+            contract=self._contract,
+            scale=self._scale,
+            owner=self,
         )
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.
@@ -371,12 +382,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- saving ---------------------------------------------------------------
 
     def save_own_variables(self, store) -> None:
-        """Saves kmp's state by name (`kmp.scaling.saved_state`); the inner
-        optimizer's variables are saved by Keras, as anywhere."""
+        """Saves kmp's state by name. Keras saves the inner optimizer's
+        variables, as anywhere."""
         self._saved.save(store)
 
     def load_own_variables(self, store) -> None:
-        """Restores what `save_own_variables` saved (`kmp.scaling.saved_state`)."""
+        """Restores what `save_own_variables` saved, by name."""
         # Files saved by position predate the applied-loss variables.
         later = {id(v) for v in self._applied_loss.variables()}
         by_position = [v for v in self.variables if id(v) not in later]

@@ -53,6 +53,7 @@ import functools
 import weakref
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from kmp._base import warn as _warn
@@ -135,7 +136,7 @@ class Ledger:
 
     # --- what apply does --------------------------------------------------
 
-    def unscaled(self, grads, variables, scaled, contract, scale, owner) -> list:
+    def unscaled(self, grads, variables, *, scaled, contract, scale, owner) -> list:
         """The gradients handed to `owner.apply` as its inner optimizer must
         see them: unscaled where they are the gradients of a scaled loss
         (`decide`). `scale` is the owner's `LossScale`."""
@@ -197,7 +198,7 @@ class Ledger:
             raise LossScaleError(
                 "apply() takes the gradients of scale_loss(loss) and unscales "
                 "them, but unscaled gradients were handed out here (by "
-                "kmp.ScaledGradientTape.gradient or get_unscaled_gradients): "
+                "kmp.ScaledGradientTape.gradient): "
                 "unscaling those again would divide the update by the loss "
                 "scale. Say which these are: optimizer.apply(grads, variables, "
                 "scaled=False) for the unscaled ones, scaled=True for the "
@@ -210,7 +211,7 @@ class Ledger:
             raise LossScaleError(
                 "apply() received gradients with no loss scaled here, and this "
                 "optimizer has handed out unscaled gradients before (by "
-                "kmp.ScaledGradientTape.gradient or get_unscaled_gradients), "
+                "kmp.ScaledGradientTape.gradient), "
                 "perhaps in another function: kmp cannot tell which these are. "
                 "Say so: optimizer.apply(grads, variables, scaled=False) for "
                 "unscaled gradients, scaled=True for the gradients of "
@@ -372,6 +373,9 @@ _KNOWN_ANSWERS = {
     "gradients handed in as an argument": False,
     "a loss never scaled, in a loop body": True,
     "a loss times the scale, in a loop body": False,
+    "a loss never scaled, in a cond branch": True,
+    "a loss times the scale, in a cond branch": False,
+    "a loss times the scale in a nested function": False,
 }
 
 
@@ -381,10 +385,10 @@ def _misread_cases() -> tuple[str, ...]:
     `_computed_without_the_scale` reads wrongly on this TensorFlow.
 
     That function reads TensorFlow internals: the backward pass's name
-    scope, the leaf op types, a function's captures and a loop body's outer
-    graph. This checks them once per process, the first time kmp needs
-    them, so that a TensorFlow that changed one makes kmp raise, never
-    divide.
+    scope, the leaf op types, a function's captures, the outer graph of a
+    loop body or cond branch, and the inputs of a nested function's call.
+    This checks them once per process, the first time kmp needs them, so
+    that a TensorFlow that changed one makes kmp raise, never divide.
 
     The trace is built in a graph of its own, so the caller's trace,
     strategy and name scopes are left as they are. It is traced, never run.
@@ -397,15 +401,26 @@ def _misread_cases() -> tuple[str, ...]:
     try:
         with tf.Graph().as_default():
             w = tf.Variable(3.0)
-            scale = tf.Variable(1024.0)
+            scale = keras.Variable(1024.0)  # as the optimizer's is
 
-            def read_gradients(case: str, scaled: bool) -> None:
+            @tf.function(autograph=False)
+            def times_scale(loss):
+                return loss * scale
+
+            def read_gradients(case: str, scaled: bool, nested: bool = False):
                 with tf.GradientTape() as tape:
                     loss = w * w
-                    if scaled:
+                    if nested:
+                        loss = times_scale(loss)
+                    elif scaled:
                         loss = loss * scale
                 grads = tape.gradient(loss, [w])
                 read[case] = _computed_without_the_scale(grads, scale)
+
+            def cond_branch():
+                read_gradients("a loss never scaled, in a cond branch", False)
+                read_gradients("a loss times the scale, in a cond branch", True)
+                return tf.constant(0)
 
             def loop_body(i):
                 read_gradients("a loss never scaled, in a loop body", False)
@@ -419,6 +434,10 @@ def _misread_cases() -> tuple[str, ...]:
                     _computed_without_the_scale([handed_in], scale)
                 )
                 tf.while_loop(lambda i: i < 1, loop_body, [0])
+                tf.cond(handed_in > 0, cond_branch, lambda: tf.constant(0))
+                read_gradients(
+                    "a loss times the scale in a nested function", True, nested=True
+                )
 
             step = tf.function(step, autograph=False)
             step.get_concrete_function(tf.TensorSpec([]))
