@@ -52,6 +52,23 @@ def test_audit_names_the_layer_that_overflows_float16_on_a_sample():
     assert not {"float16 overflow", "near float16's range"} & clean.kinds()
 
 
+def test_a_bfloat16_run_is_never_told_of_float16_overflow_nor_to_use_bfloat16():
+    # bfloat16 has float32's range: the activations that overflow float16
+    # are no risk to it, and "train in bfloat16" is no advice to give it.
+    kmp.set_policy("mixed_bfloat16")
+    model = ffn_model(up_scale=1e4)
+    report = kmp.debug.precision_audit(model, sample=sample())
+    assert not {"float16 overflow", "near float16's range"} & report.kinds()
+    assert not any("mixed_bfloat16" in r.fix for r in report)
+    # The same model audited under float16 is told.
+    assert (
+        "float16 overflow"
+        in kmp.debug.precision_audit(
+            model, policy="mixed_float16", sample=sample()
+        ).kinds()
+    )
+
+
 def test_audit_names_layers_near_the_limit_within_the_headroom():
     kmp.set_policy("mixed_float16")
     model = ffn_model()

@@ -78,7 +78,7 @@ def _float(tensor) -> bool:
 
 
 def activation_ranges(
-    model: keras.layers.Layer, x: Any, sixteen_bit_only: bool = False
+    model: keras.layers.Layer, x: Any, float16_only: bool = False
 ) -> Ranges:
     """Runs `model(x, training=False)` once with every layer in float32 and
     returns, per layer, the largest |value| its ops produced. A model that
@@ -87,13 +87,12 @@ def activation_ranges(
     Args:
         model: A Keras model (or layer) that can be called on `x`.
         x: A batch of inputs, as the model takes them.
-        sixteen_bit_only: Count only the ops that compute in 16-bit under
-            the layers' own policies (read from a trace of the same pass
-            under them; nothing runs): an op the model computes in float32
-            (inside a normalization layer, in a layer kept in float32)
-            cannot overflow float16. Where the model cannot be traced under
-            them (a layer that fails in 16-bit), every op is counted and
-            `Ranges.counted_all` says why.
+        float16_only: Count only the ops that compute in float16 under the
+            layers' own policies (read from a trace of the same pass under
+            them; nothing runs). An op the model computes in float32 or
+            bfloat16 cannot overflow float16. Where the model cannot be
+            traced under them (a layer that fails in float16), every op is
+            counted and `Ranges.counted_all` says why.
 
     Returns:
         `Ranges`; its `error` says why when the model could not run on `x`.
@@ -116,7 +115,7 @@ def activation_ranges(
         for op in graph.get_operations():
             if op.type in tracing.DATA_OPS or tracing.reaches_softmax(op):
                 continue
-            if sixteen_bit_only and op.name not in kept:
+            if float16_only and op.name not in kept:
                 continue
             for i, t in enumerate(op.outputs):
                 if not _float(t):
@@ -127,14 +126,14 @@ def activation_ranges(
                 names.append(op.name if i == 0 else f"{op.name}:{i}")
         return maxima
 
-    def sixteen_bit_names(inputs):
+    def float16_names(inputs):
         model(inputs, training=False)
         graph = tf.compat.v1.get_default_graph()
         kept.clear()
         kept.update(
             op.name
             for op in graph.get_operations()
-            if op.outputs and op.outputs[0].dtype in (tf.float16, tf.bfloat16)
+            if op.outputs and op.outputs[0].dtype == tf.float16
         )
 
     inputs = keras.tree.map_structure(tf.convert_to_tensor, x)
@@ -147,11 +146,11 @@ def activation_ranges(
             return Ranges((), tracing.error_line(e))
     kept: set[str] = set()
     counted_all = ""
-    if sixteen_bit_only:
+    if float16_only:
         try:
-            tf.function(sixteen_bit_names).get_concrete_function(inputs)
+            tf.function(float16_names).get_concrete_function(inputs)
         except Exception as e:  # user code that fails in 16-bit: count all
-            sixteen_bit_only = False
+            float16_only = False
             counted_all = tracing.error_line(e)
     with float32_pass.every_layer_in_float32(model):
         try:

@@ -205,15 +205,18 @@ def range_check(
 ) -> tuple[list[Risk], str]:
     """The layers whose activations on `sample` reach float16's limit (or
     `FLOAT16_MAX / headroom`), as risks, and why the pass could not run
-    (or `''`). Where the model computes in 16-bit, only the ops that do are
-    counted (those it computes in float32, inside a normalization layer or
-    in a layer kept in float32, cannot overflow float16); a model that
-    computes all in float32 has every op counted (what float16 would meet)."""
-    sixteen = any(
-        str(layer.compute_dtype) in policy_lib.SIXTEEN_BIT
+    (or `''`). Where the model computes in float16, only the ops that do are
+    counted: those it computes in float32 or bfloat16 cannot overflow
+    float16. A model that computes in bfloat16 has nothing to overflow
+    (bfloat16 has float32's range). A model that computes all in float32
+    has every op counted (what float16 would meet)."""
+    dtypes = {
+        str(layer.compute_dtype)
         for layer in [model] + [site.layer for site in traversal.walk(model)]
-    )
-    measured = ranges.activation_ranges(model, sample, sixteen_bit_only=sixteen)
+    }
+    if "float16" not in dtypes and "bfloat16" in dtypes:
+        return [], ""
+    measured = ranges.activation_ranges(model, sample, float16_only="float16" in dtypes)
     counted_all = ""
     if measured.counted_all:
         counted_all = (
