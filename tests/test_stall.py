@@ -93,6 +93,24 @@ def test_the_guard_that_raised_gives_the_check_back():
     assert caught.value is not guard.diagnosis
 
 
+def test_a_fit_interrupted_with_a_guard_gives_the_check_back():
+    # The guard's on_train_end never runs when its fit is interrupted; the
+    # guard, still held, must not keep kmp's check off for later fits.
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), optimizer="sgd", loss="mse")
+    x, y = overflowing()
+    guard = kmp.callbacks.NonFiniteGuard(on_collapse="warn")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=1, verbose=0, callbacks=[guard, Interrupt()])
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError):
+        model.fit(x, y, batch_size=1, verbose=0)
+    assert guard is not None  # held until here
+
+
 def test_a_floor_float32_cannot_hold_exactly_is_still_the_floor():
     kmp.set_policy("mixed_float16")
     opt = kmp.LossScaleOptimizer("sgd", initial_scale=2.0, min_scale=0.1)

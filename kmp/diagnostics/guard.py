@@ -225,6 +225,12 @@ class NonFiniteGuard(keras.callbacks.Callback):
             for w in self.model.weights
         )
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # Keeps kmp's own check with this guard for the coming call.
+        function = getattr(self.model, "train_function", None)
+        if isinstance(function, train_function.TrainFunction):
+            function.renew_watch()
+
     def on_train_batch_end(self, batch, logs=None):
         if self.diagnosis is not None and self.on_collapse == "warn":
             return  # said once; no more per-step checks

@@ -40,7 +40,7 @@ returns the step's logs as the `train_step` wrote them.
 
 After each call from `fit`, it stops a run that trains nothing
 (`kmp.training.stall`), unless a `kmp.callbacks.NonFiniteGuard` watches
-this `fit` (`watched_by`).
+this `fit` (`watched_by`) and renewed its watch before this call.
 
 Before each call, it ends a watch of the forward pass that its `fit` did
 not renew (`kmp.diagnostics.forward_watch`), and the step is traced again.
@@ -101,6 +101,7 @@ class TrainFunction:
         self._per_epoch = False
         self._check = True  # whether the next step's applies are checked
         self._watcher: Callable[[], Any] | None = None  # see `watched_by`
+        self._watch_renewed = False
         self._stall_check = stall.StallCheck()
 
     def optimizers_changed(self) -> None:
@@ -139,7 +140,7 @@ class TrainFunction:
                 self._inner = self._keras_function(model)
         if not _from_fit(iterator):
             return logs
-        if self._watcher is None or self._watcher() is None:
+        if not self._watched():
             self._stall_check(model)
         if not isinstance(logs, dict):
             return logs
@@ -156,8 +157,25 @@ class TrainFunction:
         """Leaves the check for a stalled run to `guard` (a
         `kmp.callbacks.NonFiniteGuard`, from its `fit`'s start), or takes it
         back (None, at its end). Held by a weak reference: a guard no longer
-        in use gives the check back."""
+        in use gives the check back. The guard renews the watch before each
+        call (`renew_watch`); one it did not renew (its `fit` was
+        interrupted) gives the check back too."""
         self._watcher = None if guard is None else weakref.ref(guard)
+        self._watch_renewed = guard is not None
+
+    def renew_watch(self) -> None:
+        """The guard still watches: the next call leaves the check to it."""
+        self._watch_renewed = self._watcher is not None
+
+    def _watched(self) -> bool:
+        """Whether a guard watches this call (and takes its renewal)."""
+        if self._watcher is None or self._watcher() is None:
+            return False
+        if not self._watch_renewed:
+            self._watcher = None  # its fit ended without saying so
+            return False
+        self._watch_renewed = False
+        return True
 
     def _step(self, model: keras.Model, iterator: Any) -> Any:
         """One call of the step: the first, a changed one, or Keras's."""
