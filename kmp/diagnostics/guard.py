@@ -125,11 +125,14 @@ class NonFiniteGuard(keras.callbacks.Callback):
         guard (`on`), or take it back."""
         # It watches `model.optimizer` only: a model trained by several
         # optimizers (a GAN's) keeps kmp's check.
-        if optimizer_lib.of_model(self.model) is None:
-            return
-        function = getattr(self.model, "train_function", None)
-        if isinstance(function, train_function.TrainFunction):
+        function = self._kmp_train_function()
+        if function is not None and optimizer_lib.of_model(self.model) is not None:
             function.watched_by(self if on else None)
+
+    def _kmp_train_function(self) -> train_function.TrainFunction | None:
+        """The model's train function where it is kmp's, else None."""
+        function = getattr(self.model, "train_function", None)
+        return function if isinstance(function, train_function.TrainFunction) else None
 
     def on_train_end(self, logs=None):
         self._watch(False)
@@ -227,8 +230,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         # Keeps kmp's own check with this guard for the coming call.
-        function = getattr(self.model, "train_function", None)
-        if isinstance(function, train_function.TrainFunction):
+        function = self._kmp_train_function()
+        if function is not None:
             function.renew_watch()
 
     def on_train_batch_end(self, batch, logs=None):
