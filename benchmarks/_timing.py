@@ -15,6 +15,19 @@ import statistics
 import time
 from collections.abc import Callable
 
+# What `--clock` names: wall time, or this process's CPU time.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def add_clock_argument(parser, default: str = "wall", help: str | None = None):
+    """Adds `--clock wall|cpu` to `parser`; `CLOCKS[args.clock]` reads it."""
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default=default,
+        help=help or "wall time, or this process's CPU time (steadier on shared cores)",
+    )
+
 
 def interleaved(
     runs: dict[str, Callable[[], None]], repeats: int, clock=time.perf_counter

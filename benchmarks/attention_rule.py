@@ -24,13 +24,14 @@ Run: python benchmarks/attention_rule.py [--repeats 3] [--batch-size 64] [--expl
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 
@@ -146,10 +147,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    add_clock_argument(parser, default="cpu")
     parser.add_argument("--explore", action="store_true")
     args = parser.parse_args()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     variants = {**VARIANTS, **(EXPLORE if args.explore else {})}
     result = {
         "benchmark": "attention_rule",

@@ -30,6 +30,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import cpu_model
 from _timing import interleaved
 from _timing import summary
@@ -167,9 +169,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="end to end")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument(
-        "--clock", choices=("cpu", "wall"), default="cpu", help="update alone"
-    )
+    add_clock_argument(parser, default="cpu", help="update alone")
     parser.add_argument(
         "--model", choices=bench.BUILTIN_MODELS, default="mlp", help="end to end"
     )
@@ -177,7 +177,7 @@ def main():
         "--skip-update-alone", action="store_true", help="only the end-to-end part"
     )
     args = parser.parse_args()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     result = {
         "benchmark": "fused_update",
         "model": args.model,

@@ -20,12 +20,13 @@ Run: python benchmarks/kmp_vs_keras.py [--model transformer]
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 
@@ -40,9 +41,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="wall")
+    add_clock_argument(parser)
     args = parser.parse_args()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     runs = {}
     for name in ("keras", "kmp", "kmp, update not fused"):

@@ -28,7 +28,6 @@ Run: python benchmarks/lm_head.py [--model keras_hub|dense]
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -36,6 +35,8 @@ import keras
 import keras_hub
 import numpy as np
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 
@@ -78,9 +79,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="wall")
+    add_clock_argument(parser)
     args = parser.parse_args()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     rng = np.random.default_rng(0)
     n = args.steps * args.batch_size
     x = {

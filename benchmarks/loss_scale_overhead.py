@@ -18,13 +18,14 @@ Run: python benchmarks/loss_scale_overhead.py [--repeats 15] [--steps 30]
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 
@@ -80,12 +81,7 @@ def main():
         choices=("mixed_float16", "mixed_bfloat16", "float32"),
         default="mixed_float16",
     )
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time, or this process's CPU time (steadier on shared cores)",
-    )
+    add_clock_argument(parser)
     parser.add_argument(
         "--fused",
         action="store_true",
@@ -102,7 +98,7 @@ def main():
         for name, m in models.items()
     }
     result = {"benchmark": "loss_scale_overhead", "policy": args.policy}
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     result["clock"] = args.clock
     kmp_optimizer = models["kmp"].optimizer
     result["kmp_fused"] = fused.resolve(

@@ -18,12 +18,13 @@ Run: python benchmarks/stall_check_cost.py [--repeats 15] [--batch-size 32]
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 from loss_scale_overhead import data
@@ -60,12 +61,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time, or this process's CPU time (steadier on shared cores)",
-    )
+    add_clock_argument(parser)
     args = parser.parse_args()
     tf.config.optimizer.set_experimental_options({"remapping": False})
     x, y = data(args.steps, args.batch_size)
@@ -78,7 +74,7 @@ def main():
         )
 
     runs = {v: (lambda v=v: run(v)) for v in models}
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     result = {"benchmark": "stall_check_cost", "clock": args.clock}
     result["batch_size"] = args.batch_size
     result.update(

@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import tensorflow as tf
+from _timing import CLOCKS
+from _timing import add_clock_argument
 from _timing import interleaved
 from _timing import summary
 from loss_scale_overhead import data
@@ -53,12 +54,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--every", type=int, default=1)
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time, or this process's CPU time (steadier on shared cores)",
-    )
+    add_clock_argument(parser)
     args = parser.parse_args()
     tf.config.optimizer.set_experimental_options({"remapping": False})
     x, y = data(args.steps, args.batch_size)
@@ -87,7 +83,7 @@ def main():
     runs = {v: (lambda v=v: run(v)) for v in models}
     result = {"benchmark": "telemetry_overhead", "monitor_every_n_steps": args.every}
     steps = args.steps * args.epochs  # one run: a fit of --epochs epochs
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     result["clock"] = args.clock
     result.update(summary(interleaved(runs, args.repeats, clock), steps, "bare"))
     result["tensorflow"], result["keras"] = tf.__version__, keras.__version__
