@@ -23,6 +23,7 @@ from kmp.precision.policy import get_policy
 from kmp.precision.policy import policy_scope
 from kmp.precision.policy import register_policy
 from kmp.precision.policy import set_policy
+from kmp.precision.region import float32_scope
 from kmp.precision.rules import clear_layer_policies
 from kmp.precision.rules import set_layer_policy
 from kmp.scaling.config import LossScaleError
@@ -44,6 +45,7 @@ __all__ = [
     "compile",
     "debug",
     "doctor",
+    "float32_scope",
     "get_policy",
     "hardware",
     "layers",

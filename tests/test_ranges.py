@@ -212,7 +212,7 @@ def test_doctor_names_an_overflowing_layer_of_a_saved_model(tmp_path, capsys):
     assert [(r["layer"], r["kind"]) for r in found] == [("up", "float16 overflow")]
     assert kmp_cli.main(argv) == 0  # random inputs, said so
     out = capsys.readouterr().out
-    assert "random inputs" in out and "activation range of" in out
+    assert "random inputs" in out and "activation range and precision of" in out
     assert kmp_cli.main([*argv, "--sample", str(tmp_path / "x.csv")]) != 0
     assert "--sample must be" in capsys.readouterr().err
 

@@ -1,5 +1,6 @@
 """kmp's TensorFlow edge: what only TensorFlow can answer or do (the
-machine probe, grappler's settings, graph tracing, `tf.distribute` agreement,
+machine probe, grappler's settings, graph tracing, the range and precision
+passes, `tf.distribute` agreement,
 the fused XLA update, finite checks). A second Keras backend needs a new edge
 here, not a new core.
 

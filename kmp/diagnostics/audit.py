@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmp._base.table import format_table
+from kmp.backend import drift
 from kmp.backend import ranges
 from kmp.backend import tracing
 from kmp.diagnostics import compiled_by
@@ -129,7 +130,16 @@ def precision_audit(
       of it, measured by one forward pass with every layer in float32
       (the model's policies are restored after).
       Such a layer overflows in float16 whatever the loss scale: the fix
-      is bfloat16 (float32's range) or that layer in float32.
+      is that layer in float32, or bfloat16 (float32's range) where the
+      layer keeps its precision in bfloat16;
+    * with a `sample` batch, under a 16-bit policy: every layer whose
+      results on it differ from float32's by far more than 16-bit rounding
+      and its inputs explain (the model run once at its policies and once
+      in float32). Such a layer cancels, or takes inputs with more digits
+      than 16 bits hold. It trains to a worse loss with no NaN and no
+      skipped step. The fix is that layer (and where needed the layers
+      that feed it) in float32, or `@kmp.float32_scope` around the part of
+      its own code that cancels.
 
     Args:
         model: A built Keras model.
@@ -139,7 +149,8 @@ def precision_audit(
             to it, as before `kmp.prepare`. By default, the model as it is.
         sample: A batch of inputs, as the model takes them (real data:
             activations on random inputs can differ by orders of
-            magnitude), for the activation range check. None: no check.
+            magnitude), for the activation range and precision checks.
+            None: no check.
         headroom: With `sample`, a layer is named when its activations
             reach `65504 / headroom` (the default 2: within a factor 2 of
             float16's limit, as other batches and training can raise them).
@@ -194,10 +205,69 @@ def precision_audit(
         if sample is not None:
             # Under the policy audited: its 16-bit ops are the ones counted.
             range_risks, range_error = range_check(model, sample, headroom)
-            risks.extend(range_risks)
-            if range_error and not error:
-                error = f"it could not run on the sample ({range_error})"
+            precision_risks, precision_error = precision_check(model, sample)
+            risks.extend(range_risks + precision_risks)
+            sample_error = range_error or precision_error
+            if sample_error and not error:
+                error = f"it could not run on the sample ({sample_error})"
     return AuditReport(model.name, tuple(risks), error, fix)
+
+
+def precision_check(
+    model: keras.layers.Layer, sample: Any, policy: str | None = None
+) -> tuple[list[Risk], str]:
+    """The layers whose results on `sample`, at their policies, move from
+    float32's by far more than 16-bit rounding and their inputs explain
+    (`kmp.backend.drift`), as risks with the fix that works, and why the
+    passes could not run (or `''`). Nothing for a model that computes
+    nothing in 16-bit. With `policy`, the model is checked as if it ran
+    under it (its layers moved as `precision_audit(policy=)` moves them)."""
+    if policy is None:
+        measured = drift.layer_drift(model, sample)
+    else:
+        target = policy_lib.get(policy)
+        with _Moved(planning.plan(model, policy=target), target):
+            measured = drift.layer_drift(model, sample)
+    risks = []
+    for d in measured.beyond_rounding():
+        dtype = d.compute_dtype if d.compute_dtype in _SIXTEEN else measured.dtype
+        if d.rounded_by:
+            cause = (
+                f"it takes {dtype} results of {', '.join(map(repr, d.rounded_by))}, "
+                "and cancels what they lost"
+            )
+            paths = (d.path, *d.rounded_by)
+        elif d.rounded_at_boundary:
+            cause = (
+                f"Keras rounds its float32 inputs to {dtype} before its call "
+                "runs, and they carry more digits than 16 bits hold"
+            )
+            paths = (d.path,)
+        else:
+            cause = f"its own code cancels in {dtype} (subtracts near-equal values)"
+            paths = (d.path,)
+        rules = ", ".join(f"kmp.set_layer_policy('name:{p}', 'float32')" for p in paths)
+        which = "them" if len(paths) > 1 else "it"
+        fix = f"compute {which} in float32: {rules}, then kmp.prepare(model)"
+        if d.rounded_at_boundary and not d.rounded_by:
+            fix += " (a float32 scope inside its call comes too late)"
+        elif not d.rounded_by and not d.keras_class:
+            fix = (
+                "compute the sensitive part of its call in float32: move it into a "
+                "function decorated with @kmp.float32_scope; or " + fix
+            )
+        risks.append(
+            Risk(
+                d.path,
+                d.class_name,
+                f"{dtype} precision",
+                f"on the sample its results differ from float32's by "
+                f"{d.error:.1%}, its inputs' by {d.input_error:.1%} ({dtype} "
+                f"rounds by {drift.EPSILON[dtype] / 2:.2%}): {cause}",
+                fix,
+            )
+        )
+    return risks, measured.error
 
 
 def range_check(
@@ -224,13 +294,18 @@ def range_check(
             f"own policies it could not be traced ({measured.counted_all})"
         )
     risks = []
-    for r in measured.above(FLOAT16_MAX / headroom):
+    named = measured.above(FLOAT16_MAX / headroom)
+    imprecise = _imprecise_in_bfloat16(model, sample) if named else set()
+    for r in named:
         over = r.max_abs >= FLOAT16_MAX
         fix = (
-            f"train in bfloat16 ('mixed_bfloat16': float32's range), or compute "
-            f"this layer in float32: kmp.set_layer_policy('name:{r.path}', "
+            f"compute this layer in float32: kmp.set_layer_policy('name:{r.path}', "
             "'float32'), then kmp.prepare(model)"
         )
+        if r.path in imprecise:
+            fix += " (bfloat16 has the range but loses this layer's precision)"
+        else:
+            fix = f"train in bfloat16 ('mixed_bfloat16': float32's range), or {fix}"
         if not over:
             fix = "none needed yet; if training overflows here: " + fix
         risks.append(
@@ -244,6 +319,14 @@ def range_check(
             )
         )
     return risks, measured.error
+
+
+def _imprecise_in_bfloat16(model: keras.layers.Layer, sample: Any) -> set[str]:
+    """The layers whose results on `sample` would move far beyond bfloat16's
+    rounding with the model under 'mixed_bfloat16' (its layers moved as
+    `precision_audit(policy=)` moves them): there bfloat16 is no fix."""
+    risks, _ = precision_check(model, sample, "mixed_bfloat16")
+    return {r.layer for r in risks}
 
 
 def _trace(model) -> tuple[tracing.Trace, str, str]:
@@ -352,12 +435,14 @@ def _in_code_fix(kind_name: str, cls: str, owner: str) -> str:
 
 
 _OWN_SOFTMAX_FIX = (
-    "in {owner}, compute it in float32: "
-    "keras.ops.cast(keras.ops.softmax(keras.ops.cast(x, 'float32')), x.dtype)"
+    "in {owner}, compute it in float32: move it into a function decorated "
+    "with @kmp.float32_scope (it casts the inputs to float32 and the result "
+    "back)"
 )
 _OWN_SCORES_FIX = (
-    "in {owner}, cast query and key to float32 before their product and "
-    "the softmax, and cast the result back to the compute dtype"
+    "in {owner}, compute the product of query and key and the softmax in a "
+    "function decorated with @kmp.float32_scope (it casts the inputs to "
+    "float32 and the result back)"
 )
 _PREPARE_FIX = (
     "kmp.prepare(model) (or kmp.compile): it keeps what the layer returns to your code"

@@ -136,7 +136,11 @@ class OverflowHealer(keras.callbacks.Callback):
             does not), or `'auto'`: bfloat16 where this machine's `'auto'`
             policy is bfloat16 (native bfloat16 math: GPUs of compute
             capability 8.0 and up, TPUs, CPUs with AVX512-BF16 or AMX),
-            float32 elsewhere.
+            float32 elsewhere. bfloat16 has float32's range, not its
+            precision: a layer that overflows float16 because it cancels
+            large values (`E[x²] - E[x]²`) trains worse in bfloat16.
+            `kmp.debug.precision_audit(model, sample=batch,
+            policy="mixed_bfloat16")` tells such a layer apart.
         path: A JSON file the moves are written to as they happen (its
             folder must exist), and read back at the start of each `fit`: a
             run resumed in a fresh process (`keras.callbacks.BackupAndRestore`

@@ -4,8 +4,9 @@ was built with, the tracker that locks a model's state, the attention
 methods kmp's attention rule compares, whether an attention layer uses
 flash attention or returns its scores, an optimizer's variables, the
 backend variable inside a `keras.Variable`, a variable's path, the stack of
-Keras's name scopes, whether a model is of Keras's own graph classes, and a
-container's own trainable flag.
+Keras's name scopes, the scope a mixed layer reads its variables in, whether
+a model is of Keras's own graph classes, and a container's own trainable
+flag.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -225,3 +226,17 @@ def set_own_trainable(layer: keras.layers.Layer, value: bool) -> None:
     every sublayer's too)."""
     _check(layer, "_trainable", "kmp cannot keep a rebuilt model frozen")
     layer._trainable = bool(value)
+
+
+def autocast_scope(dtype: str | None) -> Any:
+    """Keras's `AutocastScope(dtype)`, the scope a mixed layer's `call` runs
+    in: float variables read inside it come back in `dtype` (as they are
+    for None)."""
+    try:
+        from keras.src.backend import AutocastScope
+    except ImportError as e:
+        raise changed(
+            "Keras", keras.__version__, "`AutocastScope`",
+            "kmp cannot read variables in float32 inside a float32 scope",
+        ) from e  # fmt: skip
+    return AutocastScope(dtype)

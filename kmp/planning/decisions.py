@@ -122,6 +122,11 @@ class Plan:
             for d in self.decisions
         )
 
+    @property
+    def computes_in_16bit(self) -> bool:
+        """True when any layer computes in float16 or bfloat16."""
+        return any(d.policy is not None and d.policy.is_16bit for d in self.decisions)
+
 
 def is_float_layer(layer: keras.layers.Layer) -> bool:
     """False for layers kmp must leave alone: a non-float policy (Hashing,

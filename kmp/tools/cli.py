@@ -129,6 +129,7 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
 
     import keras
 
+    from kmp.backend import machine
     from kmp.diagnostics import audit
     from kmp.tools import bench
 
@@ -142,6 +143,11 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
             "for real data: activations on random inputs can differ widely)"
         )
     risks, error = audit.range_check(model, sample)
+    policy = machine.resolve_auto().policy
+    if not error and policy != "float32":
+        # What the policy 'auto' picks here would do to the model's precision.
+        lost, error = audit.precision_check(model, sample, policy)
+        risks += lost
     if error:
         raise ValueError(
             f"kmp doctor could not run {args.model} on the sample: {error}."
@@ -150,17 +156,23 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
     if not args.json:
         limit = audit.FLOAT16_MAX
         print(
-            f"activation range of {args.model} (one float32 forward pass on "
-            f"{where}; float16's largest value is {limit:g}):"
+            f"activation range and precision of {args.model} (one float32 "
+            f"forward pass on {where}; float16's largest value is {limit:g}; "
+            f"precision under {policy!r}, what 'auto' picks here):"
         )
         if found:
             rows = [
                 (r["layer"], r["class_name"], r["kind"], r["detail"]) for r in found
             ]
             print(format_table(("layer", "class", "risk", "detail"), rows))
-            print(f"fix: {risks[0].fix}")
+            for kind in dict.fromkeys(r.kind for r in risks):
+                fix = next(r.fix for r in risks if r.kind == kind)
+                print(f"fix ({kind}): {fix}")
         else:
-            print(f"  no layer reaches {limit / audit.DEFAULT_HEADROOM:g}.")
+            print(
+                f"  no layer reaches {limit / audit.DEFAULT_HEADROOM:g}, and "
+                "none loses precision beyond rounding."
+            )
     return found
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import keras
 
 from kmp._base import warn as _warn
+from kmp.backend import drift
 from kmp.backend import fused
 from kmp.backend import grappler
 from kmp.backend import ranges
@@ -62,12 +63,14 @@ def compile(
             `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
         sample: A batch of inputs (real data). Where the model computes in
-            float16, kmp runs it once on the batch with every layer in
-            float32 and warns, naming them, about the layers whose
+            16-bit, kmp runs it on the batch at its policies and with every
+            layer in float32. It warns about the layers whose results move
+            far beyond 16-bit rounding (cancellation, inputs with more
+            digits than 16 bits hold), and, in float16, about those whose
             activations reach float16's largest value (65504): those
-            overflow in float16 whatever the loss scale
-            (`kmp.debug.precision_audit(model, sample=...)` gives the full
-            table). None (default): no check.
+            overflow whatever the loss scale. Each warning names the
+            layers and the fix (`kmp.debug.precision_audit(model,
+            sample=...)` gives the full table). None (default): no check.
         **kwargs: Keyword arguments of `model.compile`.
 
     Returns:
@@ -151,6 +154,8 @@ def compile(
     grappler.apply_fast_paths("float16" if float16 else the_plan.base.compute_dtype)
     if sample is not None and float16:
         _warn_overflowing(model, sample)
+    if sample is not None and the_plan.computes_in_16bit:
+        _warn_imprecise(model, sample)
     scale = float16 and arguments.get("auto_scale_loss", True) is not False
     wrapped: dict[str, Any] = {}
     unresolved: dict[str, str] = {}
@@ -213,10 +218,38 @@ def _warn_overflowing(model: keras.Model, sample: Any) -> None:
             f"activations beyond float16's largest value "
             f"({policy_lib.FLOAT16_MAX:g}): {named}. In float16 they overflow "
             "to inf whatever the loss scale, and the steps that do are "
-            "skipped. Train in bfloat16 ('mixed_bfloat16', float32's range), "
-            f"or compute them in float32 (kmp.set_layer_policy('name:{first}', "
-            "'float32'), then compile again). "
-            "kmp.debug.precision_audit(model, sample=...) lists them."
+            "skipped. Compute them in float32 (kmp.set_layer_policy("
+            f"'name:{first}', 'float32'), then compile again), or train in "
+            "bfloat16 ('mixed_bfloat16', float32's range) where its precision "
+            "suffices: kmp.debug.precision_audit(model, sample=...) lists "
+            "them and checks which."
+        )
+
+
+def _warn_imprecise(model: keras.Model, sample: Any) -> None:
+    """Warns about the layers whose results on `sample` move from float32's
+    by far more than 16-bit rounding explains."""
+    measured = drift.layer_drift(model, sample)
+    if measured.error:
+        raise ValueError(
+            f"kmp.compile(sample=...) runs {model.name!r} on the sample to "
+            f"compare it with float32, and it could not: {measured.error}. "
+            "Expected a batch the model takes as input, as fit() receives it "
+            "(without the targets)."
+        )
+    lost = measured.beyond_rounding()
+    if lost:
+        named = ", ".join(f"{d.path!r} ({d.error:.0%})" for d in lost)
+        first = lost[0].path
+        _warn.warn(
+            f"kmp: on the sample, the results of these layers of {model.name!r} "
+            f"differ from float32's by far more than {measured.dtype} rounding "
+            f"explains: {named}. They cancel, or their inputs carry more "
+            "digits than 16 bits hold, and training reaches a worse loss "
+            "without any NaN. Compute them in float32: "
+            f"kmp.set_layer_policy('name:{first}', 'float32'), then compile "
+            "again. kmp.debug.precision_audit(model, sample=...) lists them "
+            "with the cause."
         )
 
 
