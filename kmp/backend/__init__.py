@@ -1,8 +1,7 @@
 """kmp's TensorFlow edge: what only TensorFlow can answer or do (the
 machine probe, grappler's settings, graph tracing, the range and precision
-passes, `tf.distribute` agreement,
-the fused XLA update, finite checks). A second Keras backend needs a new edge
-here, not a new core.
+passes, `tf.distribute` agreement, the fused XLA update, finite checks). A
+second Keras backend needs a new edge here, not a new core.
 
 Importing it registers the machine's part of the policies (`'auto'` and the
 float16 CPU fast path) with `kmp.precision.policy`.
