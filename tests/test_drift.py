@@ -183,17 +183,25 @@ def transformer():
     return model, np.random.default_rng(0).integers(0, 500, (8, 16))
 
 
-def mobilenet():
-    model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(32, 32, 3), classes=10, alpha=0.35
+def gpt2():
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=128,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=32,
     )
-    return model, np.random.default_rng(0).uniform(-1, 1, (4, 32, 32, 3)).astype(
-        "float32"
-    )
+    x = {
+        "token_ids": np.random.default_rng(0).integers(0, 128, (2, 32)),
+        "padding_mask": np.ones((2, 32), "int32"),
+    }
+    return backbone, x
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("build", [small_cnn, transformer, mobilenet])
+@pytest.mark.parametrize("build", [small_cnn, transformer, gpt2])
 def test_models_without_a_precision_problem_are_not_named(build, policy):
     kmp.set_policy(policy)
     keras.utils.set_random_seed(0)
