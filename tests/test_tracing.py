@@ -95,11 +95,31 @@ def test_a_subclassed_model_built_by_a_call_is_traced():
     assert result.outputs == ("bfloat16",)
 
 
-def test_output_dtypes_of_one_layer_under_another_policy():
+def test_code_that_meets_an_output_is_read_from_one_trace():
     kmp.set_policy("mixed_bfloat16")
-    inputs = keras.Input((4,))
-    dense = keras.layers.Dense(2)
-    keras.Model(inputs, dense(inputs))
-    assert tracing.output_dtypes(dense) == ("bfloat16",)
-    assert tracing.output_dtypes(dense, "float32") == ("float32",)
-    assert dense.compute_dtype == "bfloat16"  # restored
+
+    class Net(keras.Model):
+        def __init__(self, join):
+            super().__init__()
+            self.hidden = keras.layers.Dense(4)
+            self.head = keras.layers.Dense(1)
+            self.out = keras.layers.Dense(1)
+            self.join = join
+
+        def call(self, x):
+            h = self.hidden(x)
+            y = self.head(h)
+            if self.join == "scale":
+                return y * 2.0  # a Python number: made in y's dtype
+            if self.join == "layer":
+                return self.out(y)  # a Keras layer casts what it takes
+            return y - h[:, :1]  # raw TensorFlow: y meets a 16-bit tensor
+
+    found = {}
+    for join in ("scale", "layer", "raw"):
+        net = Net(join)
+        net(np.ones((2, 3)))
+        traced = tracing.forward(net)
+        assert traced.error is None
+        found[join] = tracing.float32_output_mixes(net, traced, net.head)
+    assert found == {"scale": None, "layer": None, "raw": "Sub in Net"}

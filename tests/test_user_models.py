@@ -353,7 +353,7 @@ def test_an_output_that_the_models_own_call_mixes_keeps_its_dtype():
     head = "head/" + model.head.layers[0].name
     decision = kmp.planning.decisions.plan(model).decision(head)
     assert decision.policy.compute_dtype == "bfloat16"
-    assert "AuxiliaryLoss.call fails" in decision.note
+    assert "meet a 16-bit tensor in Sub in AuxiliaryLoss" in decision.note
     assert model(np.ones((2, 4))).dtype == "bfloat16"  # still runs
 
 
@@ -571,7 +571,7 @@ def test_a_teacher_whose_output_the_outer_call_mixes_keeps_its_dtype():
     model(np.ones((2, 4)))  # built while the backbone's output was 16-bit
     kmp.compile(backbone, optimizer="sgd", loss="mse")  # its output: float32
     kmp.compile(model, optimizer="sgd", loss="mse")
-    # The trace of FineTune.call fails with it in float32: back to 16-bit.
+    # FineTune.call cannot be traced with it in float32: back to 16-bit.
     assert backbone.get_layer("features").compute_dtype == "bfloat16"
     history = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0).history
     assert np.isfinite(history["loss"][0])
@@ -602,7 +602,7 @@ class JoinsInItsTrainStep(keras.Model):
 
 
 @pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
-def test_a_train_step_that_mixes_a_float32_output_gets_the_16bit_one_back(built):
+def test_a_train_step_that_mixes_a_float32_output_says_how_to_keep_it_16bit(built):
     kmp.set_policy("mixed_bfloat16")
     model = JoinsInItsTrainStep()
     if built:
@@ -610,24 +610,25 @@ def test_a_train_step_that_mixes_a_float32_output_gets_the_16bit_one_back(built)
     kmp.compile(model, optimizer="sgd")
     assert model.encoder.layers[-1].compute_dtype == "float32"
     x, y = np.ones((8, 4)), np.ones((8, 1))
-    if built:
-        with pytest.warns(UserWarning, match="failed on mixed dtypes"):
-            history = model.fit(x, y, verbose=0).history
-    else:
-        # A layer first built in the failed step cannot be traced again: the
-        # error says so, with the rules that keep those outputs 16-bit.
-        path = "encoder/" + model.encoder.layers[-1].name
-        rule = f"kmp.set_layer_policy('name:{path}', 'mixed_bfloat16')"
-        with pytest.raises(TypeError, match=re.escape(rule)):
-            model.fit(x, y, verbose=0)
-        assert model.encoder.layers[-1].compute_dtype == "bfloat16"
-        return
+    # kmp cannot read a train_step: the error names the rule, no retry.
+    path = "encoder/" + model.encoder.layers[-1].name
+    rule = f"kmp.set_layer_policy('name:{path}', 'mixed_bfloat16')"
+    with pytest.raises(TypeError, match=re.escape(rule)):
+        model.fit(x, y, verbose=0)
+    assert model.encoder.layers[-1].compute_dtype == "float32"  # nothing undone
+    kmp.set_layer_policy(f"name:{path}", "mixed_bfloat16")
+    try:
+        if not built:  # its layers first built in the failed step: anew
+            model = JoinsInItsTrainStep()
+            path = "encoder/" + model.encoder.layers[-1].name
+            kmp.clear_layer_policies()
+            kmp.set_layer_policy(f"name:{path}", "mixed_bfloat16")
+        kmp.compile(model, optimizer="sgd")
+        history = model.fit(x, y, verbose=0).history
+    finally:
+        kmp.clear_layer_policies()
     assert np.isfinite(history["loss"][0])
     assert model.encoder.layers[-1].compute_dtype == "bfloat16"  # as Keras
-    note = kmp.planning.decisions.plan(model).decision(
-        "encoder/" + model.encoder.layers[-1].name
-    )
-    assert "training code failed" in note.note and note.policy.name == "mixed_bfloat16"
 
 
 def test_a_reloaded_model_with_its_own_logs_gets_the_telemetry_from_attach(tmp_path):

@@ -15,9 +15,12 @@ layer's name plus one numeric suffix that TensorFlow adds to keep names
 unique (`dense` -> `dense_1`, a layer named `dense_1` -> `dense_1_2`):
 stripping one suffix gives the name back.
 
-`kmp.precision_report` and `kmp.debug.precision_audit` trace whole models;
-`kmp.prepare` traces one layer (`output_dtypes`) only to check its
-float-token-ids rule. Tracing runs nothing and changes nothing.
+`kmp.precision_report` and `kmp.debug.precision_audit` trace whole models.
+`kmp.prepare` reads at most one trace of the model (`forward`), at the
+layers' own policies, for the choices only a trace shows: which layers
+produce a subclassed model's outputs, what code meets them, whether an
+attention layer hands out its scores, and whether a layer hands its token
+ids only to its sublayers. Tracing runs nothing and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import os
 import re
 import sys
 import sysconfig
+from typing import Any
 
 import keras
 import tensorflow as tf
 
 from kmp.internals import keras_private
 from kmp.precision import policy as policy_lib
-from kmp.precision import quantization
 from kmp.precision import traversal
 
 # Ops that move or reshape data, or compute on indices and masks: everything
@@ -439,13 +442,189 @@ class OutputSources:
 _HANDS_ON = _DATA - {"Cast", "Const", "Placeholder", "ReadVariableOp"}
 
 
-def output_sources(model: keras.layers.Layer) -> OutputSources:
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """One read-only trace of `model(x, training=False)` at the layers' own
+    policies: the graph the planner reads every choice it needs a trace for
+    from.
+
+    Attributes:
+        graph: The traced graph, or None.
+        outputs: The model's float output tensors in it.
+        error: Why the model could not be traced, or None.
+    """
+
+    graph: Any = None
+    outputs: tuple = ()
+    error: str | None = None
+
+
+def forward(model: keras.layers.Layer) -> Forward:
+    """Traces `model(x, training=False)` once for its input shapes (see
+    `trace` for what can be traced); nothing runs and nothing changes."""
+    specs = _input_specs(model)
+    if specs is None:
+        return Forward(error=_no_shapes(model))
+    concrete, error, _ = _concrete(model, specs)
+    if error:
+        return Forward(error=error)
+    outputs = tuple(
+        t
+        for t in keras.tree.flatten(concrete.outputs)
+        if isinstance(t, tf.Tensor) and t.dtype.name in _FLOATS
+    )
+    return Forward(concrete.graph, outputs)
+
+
+def _leaving(ops, inside: set[str]) -> list:
+    """The float tensors `ops` produce that ops outside `inside` (op names)
+    consume."""
+    return [
+        t
+        for op in ops
+        for t in op.outputs
+        if t.dtype.name in _FLOATS and any(c.name not in inside for c in t.consumers())
+    ]
+
+
+def float32_output_mixes(
+    model: keras.layers.Layer, traced: Forward, layer: keras.layers.Layer
+) -> str | None:
+    """Where `layer`'s output, were it float32, would meet a 16-bit tensor
+    in code outside it (the model's own code, or a layer's that does not
+    cast its inputs), read from `traced`: the op, as `'Sub in Net'`. None
+    where it would meet none: it reaches only casts, Keras layers (which
+    cast their inputs), constants and the model's outputs."""
+    names: dict[int, dict] = {}
+    chains = {
+        op.name: _chain(model, op.name, names) for op in traced.graph.get_operations()
+    }
+    inside = {name for name, chain in chains.items() if layer in chain}
+    ops = [op for op in traced.graph.get_operations() if op.name in inside]
+    if not ops:
+        return None
+    enclosing = chains[ops[0].name][: chains[ops[0].name].index(layer)]
+    reached = {t.ref() for t in _leaving(ops, inside)}
+    stack = [c for t in _leaving(ops, inside) for c in t.consumers()]
+    seen: set[str] = set()
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.name in inside:
+            continue
+        seen.add(op.name)
+        if op.type == "Cast":
+            continue  # a cast makes its own dtype
+        chain = chains[op.name]
+        shared = 0
+        while (
+            shared < min(len(chain), len(enclosing))
+            and chain[shared] is enclosing[shared]
+        ):
+            shared += 1
+        if shared < len(chain) and keras_private.converts_input_args(chain[shared]):
+            continue  # a Keras layer called on it casts its inputs
+        for t in op.inputs:
+            if t.ref() in reached or t.dtype.name not in ("float16", "bfloat16"):
+                continue
+            if _source_op(t).type == "Const":
+                continue  # a Python number: made in the other operand's dtype
+            owner = type(chain[-1] if chain else model).__name__
+            return f"{op.type} in {owner}"
+        for t in op.outputs:
+            if t.dtype.name in _FLOATS:
+                reached.add(t.ref())
+                stack.extend(t.consumers())
+    return None
+
+
+def _source_op(tensor):
+    """The op behind `tensor`, through identities."""
+    op = tensor.op
+    while op.type in ("Identity", "IdentityN") and op.inputs:
+        op = op.inputs[0].op
+    return op
+
+
+def hands_out(
+    model: keras.layers.Layer,
+    traced: Forward,
+    layer: keras.layers.Layer,
+    part: keras.layers.Layer,
+) -> bool:
+    """Whether what `part` (a sublayer of `layer`) computes leaves `layer`
+    unchanged (through reshapes, slices and identities, not math): an
+    attention layer that returns its softmax's scores. Read from
+    `traced`."""
+    names: dict[int, dict] = {}
+    chains = {
+        op.name: _chain(model, op.name, names) for op in traced.graph.get_operations()
+    }
+    outer = {name for name, chain in chains.items() if layer in chain}
+    own = {name for name, chain in chains.items() if part in chain}
+    outputs = {t.ref() for t in traced.outputs}
+    ops = [op for op in traced.graph.get_operations() if op.name in own]
+    stack = _leaving(ops, own)
+    seen: set[str] = set()
+    while stack:
+        t = stack.pop()
+        if t.ref() in outputs:
+            return True
+        for c in t.consumers():
+            if c.name not in outer:
+                return True
+            if c.name not in seen and c.type in _HANDS_ON:
+                seen.add(c.name)
+                stack.extend(x for x in c.outputs if x.dtype.name in _FLOATS)
+    return False
+
+
+def input_only_feeds_sublayers(
+    model: keras.layers.Layer, traced: Forward, layer: keras.layers.Layer
+) -> bool:
+    """Whether `layer`'s own code hands its inputs only to its sublayers
+    (through reshapes, slices and casts, not math), read from `traced`: then
+    what it returns does not depend on the dtype its inputs arrive in. False
+    where it did not run in the trace."""
+    names: dict[int, dict] = {}
+    ops = traced.graph.get_operations()
+    chains = {op.name: _chain(model, op.name, names) for op in ops}
+    inside = {name for name, chain in chains.items() if layer in chain}
+    if not inside:
+        return False
+    depth = chains[next(iter(inside))].index(layer) + 1
+    stack = [
+        (op, t)
+        for op in ops
+        if op.name in inside
+        for t in op.inputs
+        if t.dtype.name in _FLOATS and t.op.name not in inside
+    ]
+    seen: set[str] = set()
+    while stack:
+        op, _ = stack.pop()
+        if op.name in seen or op.name not in inside:
+            continue
+        seen.add(op.name)
+        if len(chains[op.name]) > depth or op.type == "Cast":
+            continue  # a sublayer's code, or a cast: the dtype stops here
+        if op.type not in _HANDS_ON:
+            return False  # its own math on what it was given
+        stack.extend(
+            (c, t) for t in op.outputs if t.dtype.name in _FLOATS for c in t.consumers()
+        )
+    return True
+
+
+def output_sources(
+    model: keras.layers.Layer, traced: Forward | None = None
+) -> OutputSources:
     """Which of a model's direct sublayers produce its outputs, read from
     one trace of `model(x, training=False)` (for a subclassed model, whose
     `call` is code kmp cannot read otherwise).
 
     Args:
         model: A built model (see `trace` for what can be traced).
+        traced: Its `forward` trace, where the caller has one.
 
     Returns:
         An `OutputSources`.
@@ -464,25 +643,18 @@ def output_sources(model: keras.layers.Layer) -> OutputSources:
     >>> kmp.backend.tracing.output_sources(net).layers == {id(net.head)}
     True
     """
-    specs = _input_specs(model)
-    if specs is None:
-        return OutputSources(error=_no_shapes(model))
-    concrete, error, _ = _concrete(model, specs)
-    if error:
-        return OutputSources(error=error)
+    traced = traced or forward(model)
+    if traced.error:
+        return OutputSources(error=traced.error)
     names: dict[int, dict] = {}
     found: set[int] = set()
     seen: set[str] = set()
     ran = {
         id(chain[0])
-        for op in concrete.graph.get_operations()
+        for op in traced.graph.get_operations()
         if (chain := _chain(model, op.name, names))
     }
-    stack = [
-        t.op
-        for t in keras.tree.flatten(concrete.outputs)
-        if isinstance(t, tf.Tensor) and t.dtype.name in _FLOATS
-    ]
+    stack = [t.op for t in traced.outputs]
     while stack:
         op = stack.pop()
         if op.name in seen:
@@ -559,25 +731,3 @@ def recorded_input(layer: keras.layers.Layer) -> keras.KerasTensor | None:
     except (AttributeError, ValueError):
         return None
     return spec if isinstance(spec, keras.KerasTensor) else None
-
-
-def output_dtypes(layer: keras.layers.Layer, policy: str | None = None):
-    """The float dtypes `layer` returns for its recorded input, traced under
-    `policy` (its own by default; restored after), or None when the layer
-    has no single recorded input or cannot be traced."""
-    spec = recorded_input(layer)
-    if spec is None:
-        return None
-    own = quantization.snapshot(layer)
-    if policy is not None:
-        quantization.set_float_part(layer, policy)
-    try:
-        function = tf.function(lambda x: layer(x, training=False))
-        outputs = function.get_concrete_function(
-            tf.TensorSpec(spec.shape, spec.dtype)
-        ).outputs
-    except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
-        return None
-    finally:
-        quantization.restore(layer, own)
-    return tuple(t.dtype.name for t in outputs if t.dtype.name in _FLOATS)

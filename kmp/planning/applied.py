@@ -1,8 +1,7 @@
 """What kmp has applied to a model's layers: the policy it set on each layer and
 why (so that a later `prepare` can tell kmp's settings from a user's explicit
-`dtype=`), the policy each model computed in when kmp first prepared it, and
-the float32 outputs a model's training code refused. Weak: forgets deleted
-layers and models."""
+`dtype=`), and the policy each model computed in when kmp first prepared it. Weak:
+forgets deleted layers and models."""
 
 from __future__ import annotations
 
@@ -29,11 +28,6 @@ applied_to: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-# Per model: the layers whose float32 outputs its training code refused
-# (its first step failed on mixed dtypes with them), {id(layer): why}.
-refused_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Healed(NamedTuple):

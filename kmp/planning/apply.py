@@ -13,7 +13,6 @@ from kmp.planning.applied import Applied
 from kmp.planning.applied import applied_to
 from kmp.planning.applied import base_policy
 from kmp.planning.applied import model_bases
-from kmp.planning.applied import refused_outputs
 from kmp.planning.decisions import FLOAT32_OUTPUTS
 from kmp.planning.decisions import Plan
 from kmp.planning.decisions import plan
@@ -81,22 +80,16 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     return model
 
 
-def refuse_user_outputs(model: keras.layers.Layer, why: str) -> list[tuple[str, str]]:
-    """Gives back their policy to the float32 outputs kmp gave the code of
-    `model` (its call, its train_step), after that code failed on mixed
-    dtypes (`why`); later plans keep them so. Returns the (path, policy
-    name) of each layer given back."""
-    refused = refused_outputs.setdefault(model, {})
-    given = []
-    for d in plan(model):
-        if d.rule in FLOAT32_OUTPUTS and d.site.user_code is not None:
-            refused[id(d.layer)] = why
-            given.append(d.path)
-    if not given:
-        return []
-    new = plan(model)
-    apply(new)
-    return [(path, new.decision(path).policy.name) for path in given]
+def float32_user_outputs(model: keras.layers.Layer) -> list[tuple[str, str]]:
+    """The (path, policy name) of the layers kmp computes in float32 whose
+    output goes to user code of `model` (its call, its train_step), each
+    with the policy it would have without that rule."""
+    the_plan = plan(model)
+    return [
+        (d.path, the_plan.base.name)
+        for d in the_plan
+        if d.rule in FLOAT32_OUTPUTS and d.site.user_code is not None
+    ]
 
 
 def all_built(model: keras.layers.Layer) -> bool:

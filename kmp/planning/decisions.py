@@ -23,7 +23,6 @@ from kmp.planning import token_ids
 from kmp.planning.applied import applied
 from kmp.planning.applied import base_policy
 from kmp.planning.applied import model_bases
-from kmp.planning.applied import refused_outputs
 from kmp.precision import attention
 from kmp.precision import convolutions
 from kmp.precision import kinds
@@ -176,10 +175,12 @@ def _where(site: traversal.Site) -> str:
 def plan(
     model: keras.layers.Layer, policy: str | policy_lib.Policy | None = None
 ) -> Plan:
-    """Decides every layer's policy by kmp's rules and leaves the model as it
-    was (to check a float-token-ids decision it traces one layer under a
-    temporary policy, and to see whether a Keras attention called by user
-    code hands its scores out it traces the model once, then restores it).
+    """Decides every layer's policy by kmp's rules from the model's
+    structure, the rules and at most one read-only trace of the model at
+    its layers' own policies (`kmp.backend.tracing.forward`: what a
+    subclassed model returns, what code meets an output, whether an
+    attention layer hands out its scores, whether a layer hands token ids
+    only to its sublayers). It changes nothing.
 
     Args:
         model: A Keras model or layer.
@@ -222,8 +223,9 @@ def plan(
     decided: dict[int, policy_lib.Policy] = {id(model): base}
     forced: dict[int, tuple[policy_lib.Policy, str, str]] = {}
     weights = _weight_count(model)
-    scores_inside: frozenset[int] | None = None  # traced once, when needed
-    sites = _sites(model, base)
+    scores_inside: frozenset[int] | None = None  # read once, when needed
+    traced = _OneTrace(model)
+    sites = _sites(model, base, traced)
     inner_outputs = _inner_outputs(sites)
     inherited_at: dict[int, policy_lib.Policy] = {}
 
@@ -266,7 +268,9 @@ def plan(
             # above decides them, or they stay as Keras made them.
             chosen, rule = inherited, INHERITED if inherited != base else POLICY
         else:
-            chosen, rule, note = _default(site, kind, inherited, base, weights, model)
+            chosen, rule, note = _default(
+                site, kind, inherited, base, weights, model, traced
+            )
         kept = _refused_float_part(layer, chosen)
         if kept is not None:
             chosen, rule, note = kept
@@ -277,7 +281,7 @@ def plan(
             inside = site.casts_downstream
             if not inside:
                 if scores_inside is None:
-                    scores_inside = _scores_stay_inside(model, inherited)
+                    scores_inside = _scores_stay_inside(model, inherited, traced)
                 inside = id(layer) in scores_inside
             forced.update(_attention_sublayers(site, inherited, inside))
         elif (
@@ -288,14 +292,7 @@ def plan(
             and not layer.built
         ):
             unbuilt.append(path)
-    decisions = _checked_outputs(model, decisions, inherited_at, base)
-    refused = refused_outputs.get(model, {})
-    decisions = [
-        _given_back(d, inherited_at[id(d.layer)], base, refused[id(d.layer)])
-        if id(d.layer) in refused and d.rule in FLOAT32_OUTPUTS
-        else d
-        for d in decisions
-    ]
+    decisions = _checked_outputs(model, decisions, inherited_at, base, traced)
     unmatched = tuple(r for r in user_rules if id(r) not in matched_rules)
     return Plan(model, base, tuple(decisions), unmatched, tuple(unbuilt))
 
@@ -317,7 +314,21 @@ def runs_own_call(model) -> bool:
     return not traversal.is_graph(model) and traversal.has_own_call(model)
 
 
-def _sites(model, base):
+class _OneTrace:
+    """The one read-only trace of a model a plan reads (`tracing.forward`),
+    made the first time a choice needs it."""
+
+    def __init__(self, model):
+        self._model = model
+        self._forward: tracing.Forward | None = None
+
+    def get(self) -> tracing.Forward:
+        if self._forward is None:
+            self._forward = tracing.forward(self._model)
+        return self._forward
+
+
+def _sites(model, base, traced: _OneTrace):
     """The model's sites, with the outputs a subclassed model hands to its
     training code marked as model outputs, as a Functional model's are:
 
@@ -340,7 +351,7 @@ def _sites(model, base):
     graphs = {id(c) for c in traversal.children(model) if traversal.is_graph(c)}
     if has_no_call(model):
         return list(traversal.walk(model, frozenset(graphs)))
-    sources = tracing.output_sources(model)
+    sources = tracing.output_sources(model, traced.get())
     if sources.error:
         return list(traversal.walk(model))
     # A model its call does not run goes to the model's own training code
@@ -363,12 +374,14 @@ def _sites(model, base):
     ]
 
 
-def _checked_outputs(model, decisions, inherited_at, base):
+def _checked_outputs(model, decisions, inherited_at, base, traced: _OneTrace):
     """The decisions, with a float32 output that user code receives (a
-    subclassed model's output, a model its code calls) checked by one trace
-    of `model` with those layers in float32: where the trace fails (its code
-    mixes that output with 16-bit tensors in raw TensorFlow ops), or the
-    model cannot be traced yet, they keep their policy and say why."""
+    subclassed model's output, a model its code calls) checked on the plan's
+    trace of `model`: where that code would meet it, in float32, with a
+    16-bit tensor (raw TensorFlow ops do not promote), or the model cannot
+    be traced, it keeps its policy and says why. A model not built yet
+    keeps the choices: kmp.compile completes the plan when fit has built
+    it."""
     # The code of a model that has no call of its own (only a train_step)
     # is never traced: its nested models' outputs go to it as a top
     # model's go to the loss.
@@ -379,30 +392,23 @@ def _checked_outputs(model, decisions, inherited_at, base):
         and d.site.user_code is not None
         and (d.site.user_code is not model or runs_own_call(model))
     ]
-    if not checked:
+    if not checked or not tracing.traceable(model):
         return decisions
-    saved = {i: quantization.snapshot(decisions[i].layer) for i in checked}
-    try:
-        for i in checked:
-            quantization.set_float_part(decisions[i].layer, rules.FLOAT32)
-        error = tracing.trace(model).error
-    finally:
-        for i, own in saved.items():
-            quantization.restore(decisions[i].layer, own)
-    if error is None or not tracing.traceable(model):
-        # Not built yet: nothing to check it with. kmp.compile completes the
-        # plan when fit has built the model.
-        return decisions
-    owner = type(model).__name__
-    why = (
-        f"with it in float32, {owner}.call fails ({error}); its code mixes "
-        "this output with 16-bit tensors"
-    )
+    forward = traced.get()
     result = list(decisions)
     for i in checked:
-        result[i] = _given_back(
-            decisions[i], inherited_at[id(decisions[i].layer)], base, why
-        )
+        d = decisions[i]
+        if forward.error:
+            why = f"kmp could not trace {type(model).__name__}.call ({forward.error})"
+        else:
+            meets = tracing.float32_output_mixes(model, forward, d.layer)
+            if meets is None:
+                continue
+            why = (
+                f"in float32 it would meet a 16-bit tensor in {meets} (raw "
+                "TensorFlow ops do not mix dtypes)"
+            )
+        result[i] = _given_back(d, inherited_at[id(d.layer)], base, why)
     return result
 
 
@@ -468,7 +474,7 @@ def _weight_count(layer) -> int:
 HEAD_SHARE = 0.1
 
 
-def _default(site, kind, inherited, base, model_weights, top):
+def _default(site, kind, inherited, base, model_weights, top, traced):
     """(policy, rule, note) from kmp's defaults for one layer."""
     plain = (inherited, POLICY if inherited == base else INHERITED, "")
     if not inherited.is_16bit:
@@ -492,8 +498,9 @@ def _default(site, kind, inherited, base, model_weights, top):
         # A float keras.Input carries token ids into an Embedding through a
         # layer that would cast them to 16-bit (rounding ids above 256 or
         # 2048). In float32 the layer passes them on exactly; applied only
-        # where a trace shows it then still returns what it returned.
-        if token_ids.returns_the_same_in_float32(layer, base):
+        # where its code hands them only to its sublayers (read from the
+        # plan's trace), so that it still returns what it returned.
+        if token_ids.passes_ids_on(top, traced.get(), layer):
             return float32, TOKEN_IDS, ""
         return (
             *plain[:2],
@@ -575,15 +582,12 @@ def _attention_sublayers(site, inherited, scores_inside: bool):
     return forced
 
 
-def _scores_stay_inside(model, inherited) -> frozenset[int]:
+def _scores_stay_inside(model, inherited, traced: _OneTrace) -> frozenset[int]:
     """ids of the Keras attention layers in `model`, outside graphs that
     absorb their dtype, whose scores (their softmax's output) do not leave
     them: their callers did not ask for them, so a float32 softmax changes
-    nothing the callers receive. One trace of `model` shows it, with each
-    such layer's sublayers as the scores rule plans them (value and output
-    in `inherited`) and its softmax in float32: the layer then returns
-    16-bit tensors only unless its float32 scores leave it. The model is
-    restored after; empty when it cannot be traced."""
+    nothing the callers receive. Read from the plan's trace of `model`;
+    empty when it cannot be traced."""
     sites = [
         s
         for s in traversal.walk(model)
@@ -592,26 +596,17 @@ def _scores_stay_inside(model, inherited) -> frozenset[int]:
         and s.layer.built
         and _scores_in_float32(s.layer, inherited)
     ]
-    sublayers = {id(c): c for s in sites for c in traversal.children(s.layer)}
-    planned = {
-        key: policy.keras_name
-        for s in sites
-        for key, (policy, _, _) in _attention_sublayers(s, inherited, True).items()
-    }
-    if not planned:
+    if not sites:
         return frozenset()
-    saved = {key: quantization.snapshot(sublayers[key]) for key in planned}
-    try:
-        for key, name in planned.items():
-            quantization.set_float_part(sublayers[key], name)
-        traced = tracing.trace(model)
-    finally:
-        for key, own in saved.items():
-            quantization.restore(sublayers[key], own)
-    if traced.error:
+    forward = traced.get()
+    if forward.error:
         return frozenset()
     return frozenset(
         id(s.layer)
         for s in sites
-        if (ops := traced.of(s.path)) is not None and rules.FLOAT32 not in ops.returns
+        if not any(
+            tracing.hands_out(model, forward, s.layer, child)
+            for child in traversal.children(s.layer)
+            if isinstance(child, keras.layers.Softmax)
+        )
     )

@@ -1,6 +1,7 @@
 """Token ids carried by a float input: a layer that would cast them to 16-bit
-before its Embedding (rounding ids above 256 or 2048), and a trace that
-checks it still returns what it returned when it computes in float32."""
+before its Embedding (rounding ids above 256 or 2048), and whether, read
+from a trace, it still returns what it returned when it computes in
+float32."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import keras
 
 from kmp.backend import tracing
 from kmp.internals import keras_private
-from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
 
 
@@ -25,8 +25,10 @@ def rounds_token_ids(layer) -> bool:
     )
 
 
-def returns_the_same_in_float32(layer, base: policy_lib.Policy) -> bool:
-    """Whether `layer` returns the same dtypes in float32 as under `base`
-    (one trace under each, the layer restored after)."""
-    as_planned = tracing.output_dtypes(layer, base.keras_name)
-    return bool(as_planned) and tracing.output_dtypes(layer, "float32") == as_planned
+def passes_ids_on(model, traced: tracing.Forward, layer) -> bool:
+    """Whether `layer`, computing in float32, still returns what it returns:
+    its own code hands its inputs only to its sublayers (which keep their
+    policies), read from the plan's trace of `model`."""
+    if traced.error:
+        return False
+    return tracing.input_only_feeds_sublayers(model, traced, layer)

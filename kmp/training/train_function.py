@@ -203,48 +203,37 @@ class TrainFunction:
     def _first_step(self, model: keras.Model, iterator: Any) -> Any:
         """The first step. Where its trace fails on mixed float dtypes and
         kmp gave float32 outputs to the user code it runs (a train_step that
-        joins a model's output with a 16-bit tensor in raw TensorFlow),
-        those outputs get their policy back, with a warning, and the step
-        is traced again (from `fit`, whose tf.data iterator the failed trace
-        did not advance)."""
+        joins a model's output with a 16-bit tensor in raw TensorFlow), the
+        error says so, with the rules that keep those outputs 16-bit: kmp
+        cannot read a train_step's code, and does not guess and retry."""
         built = plan_apply.all_built(model)
         try:
             return self._inner(iterator)
         except (TypeError, tf.errors.InvalidArgumentError) as e:
-            if not (tracing.mixes_dtypes(e) and _from_fit(iterator)):
+            if not tracing.mixes_dtypes(e):
                 raise
-            why = (
-                f"its training code failed with it in float32 ({tracing.error_line(e)})"
-            )
-            refused = plan_apply.refuse_user_outputs(model, why)
-            if not refused:
+            outputs = plan_apply.float32_user_outputs(model)
+            if not outputs:
                 raise
-            if not built:
-                # Layers first built inside the failed trace cannot be used
-                # in another trace: kmp cannot run the step again itself.
-                self._inner = None
-                rules = "; ".join(
-                    f"kmp.set_layer_policy('name:{path}', {policy!r})"
-                    for path, policy in refused
-                )
-                raise TypeError(
-                    f"{tracing.error_line(e)}\n\nThe training step of "
-                    f"{model.name!r} joins an output kmp computes in float32 "
-                    "with a 16-bit tensor in raw TensorFlow, and layers were "
-                    "first built in that failed step, so kmp cannot run it "
-                    "again. Keep those outputs 16-bit, as plain Keras computes "
-                    f"them, before building the model: {rules}; or build its "
-                    "layers before fit (then kmp traces the step again itself)."
-                ) from e
-            _warn.warn(
-                f"kmp: the first training step of {model.name!r} failed on mixed "
-                f"dtypes with the outputs kmp computes in float32 for its code "
-                f"({tracing.error_line(e)}); kmp gives them back their 16-bit "
-                "policy, as plain Keras computes them, and traces the step "
-                "again. kmp.precision_report(model) lists them."
+            self._inner = None
+            rules = "; ".join(
+                f"kmp.set_layer_policy('name:{path}', {policy!r})"
+                for path, policy in outputs
             )
-            self._inner = self._keras_function(model)
-            return self._inner(iterator)
+            again = (
+                "then kmp.compile it again"
+                if built
+                else "then build the model anew and kmp.compile it (layers "
+                "first built in the failed step cannot be traced again)"
+            )
+            raise TypeError(
+                f"{tracing.error_line(e)}\n\nThe training step of "
+                f"{model.name!r} joins an output kmp computes in float32 with "
+                "a 16-bit tensor in raw TensorFlow, which does not mix dtypes. "
+                "kmp cannot read a training step's code before it runs. Keep "
+                f"those outputs 16-bit, as plain Keras computes them: {rules}; "
+                f"{again}. Or cast in the step: keras.ops.cast(y, h.dtype)."
+            ) from e
 
     def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
         """The first step after a change that came with an undo (see
