@@ -332,19 +332,6 @@ def trace(model: keras.layers.Layer) -> Trace:
     return Trace(result, outs)
 
 
-def mixed_dtypes_error(model: keras.layers.Layer) -> str | None:
-    """Why `model(x, training=False)` cannot be traced for its input shapes
-    where the cause is an op that meets mixed float dtypes (a layer moved
-    to float32 whose output raw TensorFlow joins with a 16-bit tensor), as
-    the error's line; None where it traces, fails otherwise, or cannot be
-    traced by kmp (no input shapes kmp can read). Nothing runs."""
-    specs = _input_specs(model)
-    if specs is None:
-        return None
-    _, error, _ = _concrete(model, specs)
-    return error if error is not None and mixes_dtypes(error) else None
-
-
 def _concrete(model, specs):
     """(the concrete function of `model(x, training=False)`, None, ''), or
     (None, why it could not be traced, where in user code)."""
@@ -490,11 +477,12 @@ def _leaving(ops, inside: set[str]) -> list:
 def float32_output_mixes(
     model: keras.layers.Layer, traced: Forward, layer: keras.layers.Layer
 ) -> str | None:
-    """Where `layer`'s output, were it float32, would meet a 16-bit tensor
-    in code outside it (the model's own code, or a layer's that does not
-    cast its inputs), read from `traced`: the op, as `'Sub in Net'`. None
-    where it would meet none: it reaches only casts, Keras layers (which
-    cast their inputs), constants and the model's outputs."""
+    """Where `layer`'s output, were it in another dtype (float32, or
+    bfloat16 in a float16 model), would meet a 16-bit tensor in code outside
+    it (the model's own code, or a layer's that does not cast its inputs),
+    read from `traced`: the op, as `'Sub in Net'`. None where it would meet
+    none: it reaches only casts, Keras layers (which cast their inputs),
+    constants and the model's outputs."""
     names: dict[int, dict] = {}
     chains = {
         op.name: _chain(model, op.name, names) for op in traced.graph.get_operations()

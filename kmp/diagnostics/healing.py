@@ -25,15 +25,17 @@ the floor and training stalls. The healer tells the two apart and acts:
    without a forward overflow it stops diagnosing and the step is traced
    once more without the probe.
 
-A move is checked at once by a trace of the forward pass (nothing runs),
-so that validation, `evaluate` or `predict` right after it trace a model
-that works. Where code outside the layer joins its float32 output with a
-16-bit tensor (the forward pass, or only a `train_step` of the model's own,
-cannot be traced), the move is taken back before any step runs with it,
-and the enclosing layer, whose code that is, moves instead; where there is
-none, the healer gives up (below). Its watch on the optimizer lasts one
-call of the train function and is renewed before each, so a `fit` that
-ends without `on_train_end` leaves none behind.
+A move is chosen before anything moves, from one trace of the forward pass
+at the layers' own policies (nothing runs): where code outside the layer
+would join its moved output with a 16-bit tensor in raw TensorFlow, the
+enclosing layer, whose code that is, moves instead; where there is none,
+the healer gives up (below). So validation, `evaluate` or `predict` right
+after a move trace a model that works. A `train_step` of the model's own
+is not traced before it runs: where only it refuses the move, its first
+step's trace fails, the move is taken back and the enclosing layer tried
+the same way. Its watch on the optimizer lasts one call of the train
+function and is renewed before each, so a `fit` that ends without
+`on_train_end` leaves none behind.
 
 Every move is in `healer.heals` (layer, step, the op that overflowed, and
 what the layer's activations reached in float32 in the step after it), in
@@ -284,17 +286,9 @@ class OverflowHealer(keras.callbacks.Callback):
         if not restored:
             train_function.retrace(self.model)
             return
-        # Checked at once, and again by the first training step.
-        error = tracing.mixed_dtypes_error(self.model)
-        if error is not None and not self._blames_the_move(
-            [m for _, moved in restored for m in moved]
-        ):
-            error = None
-        if error is None:
-            train_function.retrace(self.model, self._taking_back(restored))
-        else:
-            self._taking_back(restored)(error)
-            train_function.retrace(self.model)
+        # The forward pass was read before the moves; the first training
+        # step checks what only it runs.
+        train_function.retrace(self.model, self._taking_back(restored))
 
     def _taking_back(self, restored: list) -> Callable[[str], None]:
         """What takes back the moves `_restore` made again, and says so."""
@@ -337,6 +331,27 @@ class OverflowHealer(keras.callbacks.Callback):
             ) from e
         layers = {site.path: site.layer for site in traversal.walk(self.model)}
         missing = [h.layer for h in kept if h.layer not in layers]
+        # Read from one trace before anything moves: the moves whose output
+        # code outside the layer would join with a 16-bit tensor.
+        forward = tracing.forward(self.model)
+        refused = {}
+        for h in kept:
+            if h.layer in layers and not forward.error:
+                meets = tracing.float32_output_mixes(
+                    self.model, forward, layers[h.layer]
+                )
+                if meets is not None:
+                    refused[h.layer] = meets
+        if refused:
+            _warn.warn(
+                f"kmp: OverflowHealer's record {self.path!r} moves layers of "
+                f"{self.model.name!r} whose moved output code outside them "
+                "would join with a 16-bit tensor: "
+                + ", ".join(f"{p!r} ({m})" for p, m in refused.items())
+                + ". Those moves are taken back. Is it the record of another "
+                "version of the model?"
+            )
+            kept = [h for h in kept if h.layer not in refused]
         if missing:
             _warn.warn(
                 f"kmp: OverflowHealer's record {self.path!r} moves layers that "
@@ -357,6 +372,8 @@ class OverflowHealer(keras.callbacks.Callback):
                 self.heals.append(heal)
             if self.verbose:
                 print(f"kmp: {heal.layer!r} moved to {heal.dtype} again ({heal})")
+        if refused:
+            self._write()  # without the moves taken back
         return restored
 
     def _write(self) -> None:
@@ -489,10 +506,35 @@ class OverflowHealer(keras.callbacks.Callback):
 
     def _heal(self, chain: list, depth: int, op_name: str, overflows: int, tried):
         """Moves `chain[depth]` (with the layers inside it where it holds
-        any) and has the step traced again. Where that step cannot be traced
-        (code outside the layer joins its output with a 16-bit tensor), the
-        move is taken back and the enclosing layer, whose code that is,
-        moved instead; where there is none, the healer gives up."""
+        any) and has the step traced again. Where code outside the layer
+        would meet its moved output with a 16-bit tensor (read from one
+        trace of the forward pass, before anything moves), the enclosing
+        layer, whose code that is, moves instead; where there is none, the
+        healer gives up."""
+        forward = tracing.forward(self.model)
+        while not forward.error:
+            meets = tracing.float32_output_mixes(self.model, forward, chain[depth])
+            if meets is None:
+                break
+            tried = [*tried, _path_of(self.model, chain[depth])]
+            if depth == 0:
+                paths = ", then ".join(repr(p) for p in tried)
+                self._give_up(
+                    f"kmp: moving {paths} to {self._target} would leave code "
+                    f"outside the layer ({meets}) joining its output with a "
+                    "16-bit tensor in raw TensorFlow: no layer of "
+                    f"{self.model.name!r} can move. It keeps its precision."
+                )
+                return
+            depth -= 1
+        self._move_and_watch(chain, depth, op_name, overflows, tried)
+
+    def _move_and_watch(self, chain, depth, op_name, overflows, tried) -> None:
+        """Moves `chain[depth]` and its layers, and measures the move at the
+        next step. Where kmp could not read the forward pass beforehand, or
+        only the model's own training step joins the moved output with a
+        16-bit tensor, that step's trace fails: the move is taken back and
+        the enclosing layer tried, as above."""
         layer = chain[depth]
         path = _path_of(self.model, layer)
         unit = _unit(layer)
@@ -505,27 +547,6 @@ class OverflowHealer(keras.callbacks.Callback):
             sublayers=len(unit) > 1,
         )
         moved = _move(unit, self._target, str(heal))
-
-        def instead(error: str) -> None:
-            if depth > 0:
-                self._heal(chain, depth - 1, op_name, overflows, [*tried, path])
-                return
-            paths = ", then ".join(repr(p) for p in [*tried, path])
-            self._give_up(
-                f"kmp: moving {paths} to {self._target} left a training step "
-                f"that cannot be traced ({error}): code outside the layer, in "
-                f"{self.model.name!r}'s own call, joins its output with a 16-bit "
-                "tensor. It keeps its precision."
-            )
-
-        # Checked at once by a trace of the forward pass (nothing runs):
-        # validation, evaluate or predict may trace the model before the
-        # next training step does.
-        error = tracing.mixed_dtypes_error(self.model)
-        if error is not None and self._blames_the_move(moved):
-            _take_back(moved)
-            instead(error)
-            return
         self.heals.append(heal)
         # The next step (traced again, with the probe) measures what the
         # layer's activations reach after the move.
@@ -534,33 +555,21 @@ class OverflowHealer(keras.callbacks.Callback):
         self._write()
 
         def undo(error: str) -> None:
-            # The forward pass traced, the training step did not (a
-            # train_step of the model's own joins the output in raw
-            # TensorFlow).
             _take_back(moved)
             self.heals.pop()
             self._unmeasured = None
             self._write()
-            instead(error)
+            if depth > 0:
+                self._heal(chain, depth - 1, op_name, overflows, [*tried, path])
+                return
+            paths = ", then ".join(repr(p) for p in [*tried, path])
+            self._give_up(
+                f"kmp: moving {paths} to {self._target} left a training step "
+                f"that cannot be traced ({error}): code outside the layer "
+                "joins its output with a 16-bit tensor. It keeps its precision."
+            )
 
         train_function.retrace(self.model, undo)
-
-    def _blames_the_move(self, moved: list[tuple]) -> bool:
-        """Whether the forward trace that failed after `moved` traces
-        without it: where it fails so either way (kmp's trace of a
-        subclassed model gives it float32 inputs its own code may refuse),
-        it says nothing of the move, and the training step decides."""
-        after = [
-            (part, quantization.snapshot(part), applied_lib.healed.get(part))
-            for part, _ in moved
-        ]
-        _take_back(moved)
-        clean = tracing.mixed_dtypes_error(self.model) is None
-        for part, policy, record in after:
-            quantization.restore(part, policy)
-            if record is not None:
-                applied_lib.note_heal(part, *record)
-        return clean
 
     def _record_magnitude(self) -> None:
         index, layer = self._unmeasured
