@@ -84,6 +84,21 @@ def attention_built():
     return model
 
 
+class TwoInputs(keras.Model):
+    """Not built before fit, and called on two inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(4)
+        self.b = keras.layers.Dense(4)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        counted()
+        joined = keras.ops.concatenate([self.a(inputs[0]), self.b(inputs[1])], -1)
+        return self.head(joined)
+
+
 def fit_traces(model, compile_model, x, y):
     """The traces of compile + the first fit step, of compile alone, and of
     a second fit."""
@@ -98,12 +113,14 @@ def fit_traces(model, compile_model, x, y):
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize(
-    "build", [functional, subclassed_built, mixes_built, attention_built]
+    "build", [functional, subclassed_built, mixes_built, attention_built, TwoInputs]
 )
 def test_kmp_traces_at_most_once_more_than_keras(build, policy):
     x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
     if build is attention_built:
         x = np.random.default_rng(0).normal(size=(32, 4, 8)).astype("float32")
+    if build is TwoInputs:
+        x = (x[:, :2], x[:, 2:5])
     y = np.ones((32, 1), "float32")
 
     keras.config.set_dtype_policy(policy)

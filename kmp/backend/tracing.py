@@ -200,7 +200,7 @@ def _input_specs(model):
 def _no_shapes(model) -> str:
     return (
         f"{type(model).__name__} has no input shapes kmp can read (not built, "
-        "or a subclassed model with several inputs)"
+        "or a subclassed model called with several arguments)"
     )
 
 
@@ -220,7 +220,8 @@ def trace(model: keras.layers.Layer) -> Trace:
 
     Returns:
         A `Trace`; its `error` says why when the model cannot be traced
-        (an unbuilt model, a subclassed one with several inputs).
+        (an unbuilt model, a subclassed one called with several
+        arguments).
 
     Example:
 

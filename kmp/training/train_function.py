@@ -11,7 +11,7 @@ there is none). At its first call, inside `fit`:
   builds the model from the shape of the inputs (as Keras does from a
   saved input shape: a symbolic call, nothing runs) and completes the
   precision plan (which layer produces the output of its `call` is read
-  from a trace); where that cannot be done before the step (several
+  from a trace); where that cannot be done before the step (a dict of
   inputs, `train_on_batch` first), the plan is completed after the first
   step and the step traced again if a layer changed;
 * where the model trains with Keras's own `train_step`, it builds the
@@ -362,20 +362,24 @@ def _from_fit(iterator: Any) -> bool:
 def _build(model: keras.Model, iterator: Any) -> None:
     """Builds `model` for the inputs `iterator` yields, as Keras builds a
     model from its saved input shape (`build_from_config`: a symbolic call,
-    nothing runs), where they are one tensor. Without a strategy, Keras
-    builds a model only inside its first traced step, after the layers'
-    policies were read."""
+    nothing runs), where they are one tensor or a tuple or list of tensors.
+    Without a strategy, Keras builds a model only inside its first traced
+    step, after the layers' policies were read."""
     spec = getattr(iterator, "element_spec", None)
     if spec is None:
         return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(spec)
-    if not isinstance(x, tf.TensorSpec):
+    if isinstance(x, tf.TensorSpec):
+        shape = tuple(x.shape)
+    elif isinstance(x, (tuple, list)) and all(isinstance(t, tf.TensorSpec) for t in x):
+        shape = tuple(tuple(t.shape) for t in x)
+    else:
         return
     with warnings.catch_warnings():
         # Where Keras cannot build it so, it says so and leaves it unbuilt:
         # the first step builds it, and the plan is completed after it.
         warnings.simplefilter("ignore")
-        model.build_from_config({"input_shape": tuple(x.shape)})
+        model.build_from_config({"input_shape": shape})
 
 
 def install(
