@@ -31,11 +31,11 @@ would join its moved output with a 16-bit tensor in raw TensorFlow, the
 enclosing layer, whose code that is, moves instead; where there is none,
 the healer gives up (below). So validation, `evaluate` or `predict` right
 after a move trace a model that works. A `train_step` of the model's own
-is not traced before it runs: where only it refuses the move, its first
-step's trace fails, the move is taken back and the enclosing layer tried
-the same way. Its watch on the optimizer lasts one call of the train
-function and is renewed before each, so a `fit` that ends without
-`on_train_end` leaves none behind.
+is not traced before it runs: where only it refuses the move, its next
+step fails with an error that says what moved and what to do. Its watch
+on the optimizer lasts one call of the train function and is renewed
+before each, so a `fit` that ends without `on_train_end` leaves none
+behind.
 
 Every move is in `healer.heals` (layer, step, the op that overflowed, and
 what the layer's activations reached in float32 in the step after it), in
@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -286,28 +285,19 @@ class OverflowHealer(keras.callbacks.Callback):
         if not restored:
             train_function.retrace(self.model)
             return
-        # The forward pass was read before the moves; the first training
-        # step checks what only it runs.
-        train_function.retrace(self.model, self._taking_back(restored))
-
-    def _taking_back(self, restored: list) -> Callable[[str], None]:
-        """What takes back the moves `_restore` made again, and says so."""
-
-        def undo(error: str) -> None:
-            self._restored = []
-            for heal, moved in reversed(restored):
-                _take_back(moved)
-                if heal in self.heals:
-                    self.heals.remove(heal)
-            self._write()
-            _warn.warn(
-                f"kmp: OverflowHealer's record {self.path!r} moves layers of "
-                f"{self.model.name!r} that its training step cannot be traced "
-                f"with ({error}); those moves are taken back. Is it the record "
-                "of another version of the model?"
-            )
-
-        return undo
+        # The forward pass was read before the moves; a train_step of the
+        # model's own is not, and its first step says so if it fails.
+        paths = ", ".join(repr(heal.layer) for heal, _ in restored)
+        train_function.retrace(
+            self.model,
+            f"OverflowHealer's record {self.path!r} moved {paths} of "
+            f"{self.model.name!r} again, and the model's training step joins "
+            "a moved output with a 16-bit tensor in raw TensorFlow, which "
+            "does not mix dtypes. kmp reads the forward pass before a move, "
+            "not a train_step's own code. Cast in the step "
+            "(keras.ops.cast(y, h.dtype)), or delete the record to train "
+            "without those moves.",
+        )
 
     def _restore(self) -> list[tuple]:
         """Moves again the layers `path` records (a resumed run); returns
@@ -502,21 +492,23 @@ class OverflowHealer(keras.callbacks.Callback):
             )
             return
         self._seen.clear()
-        self._heal(chain, len(chain) - 1, op_name, len(steps), [])
+        self._heal(chain, op_name, len(steps))
 
-    def _heal(self, chain: list, depth: int, op_name: str, overflows: int, tried):
-        """Moves `chain[depth]` (with the layers inside it where it holds
-        any) and has the step traced again. Where code outside the layer
-        would meet its moved output with a 16-bit tensor (read from one
-        trace of the forward pass, before anything moves), the enclosing
-        layer, whose code that is, moves instead; where there is none, the
-        healer gives up."""
+    def _heal(self, chain: list, op_name: str, overflows: int) -> None:
+        """Moves the innermost layer of `chain` (with the layers inside it
+        where it holds any) and has the step traced again. Where code
+        outside the layer would meet its moved output with a 16-bit tensor
+        (read from one trace of the forward pass, before anything moves),
+        the enclosing layer, whose code that is, moves instead; where there
+        is none, the healer gives up."""
+        depth = len(chain) - 1
+        tried: list[str] = []
         forward = tracing.forward(self.model)
         while not forward.error:
             meets = tracing.float32_output_mixes(self.model, forward, chain[depth])
             if meets is None:
                 break
-            tried = [*tried, _path_of(self.model, chain[depth])]
+            tried.append(_path_of(self.model, chain[depth]))
             if depth == 0:
                 paths = ", then ".join(repr(p) for p in tried)
                 self._give_up(
@@ -527,14 +519,6 @@ class OverflowHealer(keras.callbacks.Callback):
                 )
                 return
             depth -= 1
-        self._move_and_watch(chain, depth, op_name, overflows, tried)
-
-    def _move_and_watch(self, chain, depth, op_name, overflows, tried) -> None:
-        """Moves `chain[depth]` and its layers, and measures the move at the
-        next step. Where kmp could not read the forward pass beforehand, or
-        only the model's own training step joins the moved output with a
-        16-bit tensor, that step's trace fails: the move is taken back and
-        the enclosing layer tried, as above."""
         layer = chain[depth]
         path = _path_of(self.model, layer)
         unit = _unit(layer)
@@ -546,30 +530,25 @@ class OverflowHealer(keras.callbacks.Callback):
             dtype=self._target,
             sublayers=len(unit) > 1,
         )
-        moved = _move(unit, self._target, str(heal))
+        _move(unit, self._target, str(heal))
         self.heals.append(heal)
         # The next step (traced again, with the probe) measures what the
         # layer's activations reach after the move.
         self._probe.measure(self.model, [layer])
         self._unmeasured = (len(self.heals) - 1, layer)
         self._write()
-
-        def undo(error: str) -> None:
-            _take_back(moved)
-            self.heals.pop()
-            self._unmeasured = None
-            self._write()
-            if depth > 0:
-                self._heal(chain, depth - 1, op_name, overflows, [*tried, path])
-                return
-            paths = ", then ".join(repr(p) for p in [*tried, path])
-            self._give_up(
-                f"kmp: moving {paths} to {self._target} left a training step "
-                f"that cannot be traced ({error}): code outside the layer "
-                "joins its output with a 16-bit tensor. It keeps its precision."
-            )
-
-        train_function.retrace(self.model, undo)
+        # A train_step of the model's own is not read before the move: its
+        # next step says so if it fails.
+        record = f" The move is in {self.path!r}." if self.path else ""
+        train_function.retrace(
+            self.model,
+            f"OverflowHealer moved {path!r} of {self.model.name!r} to "
+            f"{self._target} after it overflowed float16, and the model's "
+            "training step joins its output with a 16-bit tensor in raw "
+            "TensorFlow, which does not mix dtypes. kmp reads the forward "
+            "pass before a move, not a train_step's own code. Cast in the "
+            f"step (keras.ops.cast(y, h.dtype)) and fit again.{record}",
+        )
 
     def _record_magnitude(self) -> None:
         index, layer = self._unmeasured
@@ -628,13 +607,6 @@ def _ran(parts: list, heal: Heal) -> None:
             applied_lib.note_heal(
                 part, quantization.float_part(part), str(heal), ran=True
             )
-
-
-def _take_back(moved: list[tuple]) -> None:
-    """Gives the layers `_move` moved their policies back."""
-    for part, before in reversed(moved):
-        quantization.restore(part, before)
-        applied_lib.healed.pop(part, None)
 
 
 def _path_of(model: keras.layers.Layer, layer: keras.layers.Layer) -> str:

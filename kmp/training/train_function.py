@@ -95,8 +95,9 @@ class TrainFunction:
         self._logs = logs
         self._epoch_check = per_epoch
         self._inner = None
-        # Given with a retrace: takes back the change that asked for it.
-        self._undo: Callable[[str], None] | None = None
+        # Given with a retrace: what changed, for the error of a step that
+        # then fails on mixed dtypes.
+        self._changed: str | None = None
         self._adds: bool | None = None  # decided at the first step from fit
         self._per_epoch = False
         self._check = True  # whether the next step's applies are checked
@@ -181,7 +182,7 @@ class TrainFunction:
         """One call of the step: the first, a changed one, or Keras's."""
         if self._inner is None:
             return self._first_call(model, iterator)
-        if self._undo is not None:
+        if self._changed is not None:
             return self._changed_step(model, iterator)
         return self._inner(iterator)
 
@@ -195,8 +196,8 @@ class TrainFunction:
             plan_apply.complete(model)
         _ready_optimizer(model)
         self._inner = self._keras_function(model)
-        if self._undo is not None:
-            # A change made before the first step, with its undo.
+        if self._changed is not None:
+            # A change made before the first step, said if it fails.
             return self._changed_step(model, iterator)
         return self._first_step(model, iterator)
 
@@ -236,41 +237,34 @@ class TrainFunction:
             ) from e
 
     def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
-        """The first step after a change that came with an undo (see
-        `retrace`)."""
-        while True:
-            undo, self._undo = self._undo, None
-            try:
-                return self._inner(iterator)
-            except (TypeError, tf.errors.InvalidArgumentError) as e:
-                retry = tracing.mixes_dtypes(e) and _from_fit(iterator)
-                if undo is None or not retry:
-                    raise
-                # Taken back; the undo may make another change, with its own
-                # undo (`retrace`), which is tried next.
-                undo(tracing.error_line(e))
-                if self._undo is None:
-                    self._inner = self._keras_function(model)
+        """The first step after a change that said what it was (see
+        `retrace`): where its trace fails on mixed float dtypes, the error
+        says what changed and what to do. kmp does not take the change back
+        and retry."""
+        changed, self._changed = self._changed, None
+        try:
+            return self._inner(iterator)
+        except (TypeError, tf.errors.InvalidArgumentError) as e:
+            if not tracing.mixes_dtypes(e):
+                raise
+            raise TypeError(f"{tracing.error_line(e)}\n\n{changed}") from e
 
-    def retrace(self, undo: Callable[[str], None] | None = None) -> None:
+    def retrace(self, changed: str | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
-        policy changed); before the first call, only `undo` is kept.
+        policy changed); before the first call, only `changed` is kept.
 
         Args:
-            undo: Where the change may leave a step that mixes float dtypes
-                (a layer moved to float32 whose output raw TensorFlow code
-                joins with a 16-bit tensor), a function that takes it back,
-                given the error's line: when the next step from `fit` fails
-                so in its trace (which did not advance fit's iterator), it
-                is called and the step traced and run again (where the undo
-                makes another change with its own undo, that is tried the
-                same way). Without one, an undo given before and not yet
-                tried is kept: the change it takes back still holds.
+            changed: Where the change may leave a step that mixes float
+                dtypes (a layer moved to float32 whose output a train_step's
+                raw TensorFlow joins with a 16-bit tensor), what changed and
+                what to do: the error of the next step says it, if that step
+                fails so. Without it, a text given before and not yet
+                used is kept: the change it says still holds.
         """
         if self._inner is not None:
             self._inner = self._keras_function(self._model())
-        if undo is not None:
-            self._undo = undo
+        if changed is not None:
+            self._changed = changed
 
     def _keras_function(self, model: keras.Model):
         model.train_function = None
@@ -282,17 +276,17 @@ class TrainFunction:
         return inner
 
 
-def retrace(model: keras.Model, undo: Callable[[str], None] | None = None) -> None:
+def retrace(model: keras.Model, changed: str | None = None) -> None:
     """Has the model's train function traced again before its next step,
     as `fit` calls it (kmp's, or one Keras made), and its test and predict
     functions made again when next used (a layer's policy changed, which a
-    traced function does not see). `undo`: see `TrainFunction.retrace`
+    traced function does not see). `changed`: see `TrainFunction.retrace`
     (kmp's train function only)."""
     model.test_function = None
     model.predict_function = None
     function = getattr(model, "train_function", None)
     if isinstance(function, TrainFunction):
-        function.retrace(undo)
+        function.retrace(changed)
     elif function is not None:
         model.make_train_function(force=True)
 
