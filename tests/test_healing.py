@@ -299,9 +299,9 @@ def test_a_move_whose_step_cannot_trace_moves_the_enclosing_block_instead():
     model = kmp.compile(model, optimizer="adam", loss="mse")
     healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0)
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[healer])
-    # 'block/up' alone in float32 leaves the block adding float32 to
-    # float16: the move is taken back and the block, whose code that is,
-    # moves with the layers inside it.
+    # 'block/up' alone in float32 would leave the block adding float32 to
+    # float16 (read from one trace before anything moves): the block, whose
+    # code that is, moves with the layers inside it.
     assert [(h.layer, h.sublayers) for h in healer.heals] == [("block", True)]
     assert block.compute_dtype == block.up.compute_dtype == "float32"
     assert not healer.gave_up
@@ -323,9 +323,9 @@ def test_a_move_is_checked_at_once_so_validation_right_after_it_runs(tmp_path):
     record = tmp_path / "heals.json"
     healer = kmp.callbacks.OverflowHealer(overflows=1, verbose=0, path=record)
     # One step per epoch: the move after it is followed by validation, not
-    # by a training step. 'block/up' alone in float32 leaves a forward pass
-    # that cannot be traced; it is taken back before validation traces it,
-    # and never written to the record.
+    # by a training step. 'block/up' alone in float32 would leave a forward
+    # pass that cannot be traced: it never moves, and is never written to
+    # the record.
     history = model.fit(
         x,
         y,
@@ -349,7 +349,7 @@ def one_move_record(tmp_path, layer: str):
     return record, entry
 
 
-def test_a_record_whose_moves_the_model_cannot_trace_is_taken_back(tmp_path):
+def test_a_record_whose_moves_the_model_cannot_trace_is_left_out(tmp_path):
     x, y = data(64)
     kmp.set_policy("mixed_float16")
     inputs = keras.Input((16,))
@@ -358,7 +358,7 @@ def test_a_record_whose_moves_the_model_cannot_trace_is_taken_back(tmp_path):
     model = kmp.compile(model, optimizer="adam", loss="mse")
     record, entry = one_move_record(tmp_path, "block/up")
     healer = kmp.callbacks.OverflowHealer(verbose=0, path=record)
-    with pytest.warns(UserWarning, match="taken back"):
+    with pytest.warns(UserWarning, match="left out"):
         history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[healer])
     assert block.up.compute_dtype == "float16" and not healer.heals
     assert np.isfinite(history.history["loss"]).all()

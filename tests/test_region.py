@@ -190,3 +190,14 @@ def test_a_scope_in_a_custom_loop_under_a_strategy(mirrored):
     losses = [mirrored.experimental_local_results(step(b)) for b in data]
     assert all(np.isfinite(float(v)) for per_replica in losses for v in per_replica)
     assert kmp.debug.verify_replicas(opt) == 2
+
+
+def test_float64_inputs_are_left_as_they_are():
+    @kmp.float32_scope
+    def add(a, b):
+        return a + keras.ops.cast(b, "float64")
+
+    a = tf.constant([1.0 + 2.0**-40], "float64")  # lost in float32
+    out = add(a, tf.ones((1,), "float32"))
+    assert dtype(out) == "float64"
+    assert float(out[0]) == 2.0 + 2.0**-40

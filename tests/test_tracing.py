@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import kmp
 from kmp.backend import tracing
@@ -113,13 +114,24 @@ def test_code_that_meets_an_output_is_read_from_one_trace():
                 return y * 2.0  # a Python number: made in y's dtype
             if self.join == "layer":
                 return self.out(y)  # a Keras layer casts what it takes
+            if self.join == "center":  # y meets only what it computes
+                return y - tf.reduce_mean(y, -1, keepdims=True)
+            if self.join == "typed":  # a constant made 16-bit
+                return y * tf.constant(0.5, dtype=self.compute_dtype)
             return y - h[:, :1]  # raw TensorFlow: y meets a 16-bit tensor
 
     found = {}
-    for join in ("scale", "layer", "raw"):
+    joins = ("scale", "layer", "center", "typed", "raw")
+    for join in joins:
         net = Net(join)
         net(np.ones((2, 3)))
         traced = tracing.forward(net)
         assert traced.error is None
         found[join] = tracing.float32_output_mixes(net, traced, net.head)
-    assert found == {"scale": None, "layer": None, "raw": "Sub in Net"}
+    assert found == {
+        "scale": None,
+        "layer": None,
+        "center": None,
+        "typed": "Mul in Net",
+        "raw": "Sub in Net",
+    }

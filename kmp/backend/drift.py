@@ -13,12 +13,15 @@ bfloat16).
 
 Ops are attributed to the innermost layer whose call ran them (the name
 scopes `kmp.backend.tracing` reads). A layer's results are the tensors its
-own ops hand to other code; its inputs are the tensors its own ops take
-from other code, followed back through casts to what computed them.
-Left out, as in `kmp.backend.ranges`: data movement, weights, tensors that
-flow into a softmax (masks are chosen per dtype), non-finite values (an
-overflow is a range problem, not a precision one) and ops inside nested
-functions.
+own ops (data movement included) hand to other code; its inputs are the
+tensors its own ops take from other code. Each is compared with the
+tensor of the same name in the float32 pass, followed back through casts
+(a pass computes in float32 where the other casts). Left out: weights and
+constants, tensors that flow into a softmax (masks are chosen per dtype),
+non-finite values (an overflow is a range problem, not a precision one),
+layers that draw random numbers (each pass draws its own), and ops inside
+nested functions. The passes leave the model's state (random seeds, a
+stateful RNN's states) as they found it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ ROUNDING_UNITS = 16
 AMPLIFICATION = 8
 
 _PASS_THROUGH = frozenset(("Cast", "Identity", "IdentityN"))
+
+# Packages whose layers the user does not edit.
+_KERAS_PACKAGES = frozenset(("keras", "keras_hub", "keras_nlp", "keras_cv", "tf_keras"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,12 @@ class LayerDrift:
     rounded_by: tuple[str, ...]
     keras_class: bool
 
+    @property
+    def fix_paths(self) -> tuple[str, ...]:
+        """The layers to compute in float32 to fix it: itself, and the
+        16-bit layers whose results it takes."""
+        return (self.path, *self.rounded_by)
+
 
 @dataclasses.dataclass(frozen=True)
 class Drifts:
@@ -96,29 +108,48 @@ class Drifts:
         and their inputs explain."""
         if not self.dtype:
             return []
-        floor = ROUNDING_UNITS * EPSILON[self.dtype]
         return [
             d
             for d in self.layers
-            if d.error > floor and d.error > AMPLIFICATION * d.input_error
+            if d.error > ROUNDING_UNITS * EPSILON[self.dtype_of(d)]
+            and d.error > AMPLIFICATION * d.input_error
         ]
+
+    def dtype_of(self, d: LayerDrift) -> str:
+        """The 16-bit dtype whose rounding `d` is judged by: its own, or the
+        model's for a layer that computes in float32 on 16-bit inputs."""
+        return d.compute_dtype if d.compute_dtype in EPSILON else self.dtype
 
 
 def _source(tensor):
-    """The tensor that `tensor` is a cast or identity of, followed back."""
+    """The tensor that `tensor` is a cast or identity of, followed back (an
+    `IdentityN`'s k-th output is its k-th input)."""
     while tensor.op.type in _PASS_THROUGH and tensor.op.inputs:
-        tensor = tensor.op.inputs[0]
+        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+        tensor = tensor.op.inputs[index]
     return tensor
 
 
+_NOT_COMPUTED = frozenset(
+    ("Const", "ReadVariableOp", "VarHandleOp", "Placeholder", "NoOp")
+)
+
+
+def _random(op) -> bool:
+    """An op that draws random numbers (a sampling layer, noise, dropout):
+    the two passes draw different ones."""
+    return "Random" in op.type or op.type == "RngReadAndSkip"
+
+
 def _boundaries(model, graph) -> dict[str, dict]:
-    """Per layer path, from the ops of `graph`: the names of the tensors its
-    own ops hand to other code ('out'); of those they take from it, each as
-    taken and as computed, followed back through casts ('in'); of the
-    float32 ones among them cast to 16-bit on the way in ('cast'); the
-    paths of the layers that computed its 16-bit inputs ('by'); and the
-    layer."""
-    ops = [op for op in graph.get_operations() if op.type not in tracing.DATA_OPS]
+    """Per layer path, from the ops of `graph`: the tensors its own ops
+    hand to other code ('out') and those they take from it ('in'), each as
+    (the name as it leaves or is taken, the name of what computed it,
+    followed back through casts); of the inputs, the float32 ones cast to
+    16-bit on the way in ('cast'); the paths of the layers that computed
+    its 16-bit inputs ('by'); whether it draws random numbers ('random');
+    and the layer."""
+    ops = [op for op in graph.get_operations() if op.type not in _NOT_COMPUTED]
     chains = tracing.owners(model, [op.name for op in graph.get_operations()])
     owner = {name: (chain[-1] if chain else None) for name, chain in chains.items()}
     paths = {id(site.layer): site.path for site in traversal.walk(model)}
@@ -129,16 +160,26 @@ def _boundaries(model, graph) -> dict[str, dict]:
             continue
         entry = found.setdefault(
             paths[id(layer)],
-            {"layer": layer, "out": [], "in": [], "cast": [], "by": set()},
+            {
+                "layer": layer,
+                "out": [],
+                "in": [],
+                "cast": [],
+                "by": set(),
+                "random": False,
+            },
         )
+        entry["random"] = entry["random"] or _random(op)
         for t in op.inputs:
             if not t.dtype.is_floating:
                 continue
             source = _source(t)
             if owner.get(source.op.name) is layer:
                 continue
-            if source.op.type in ("ReadVariableOp", "VarHandleOp", "Const"):
+            if source.op.type in _NOT_COMPUTED - {"Placeholder"}:
                 continue  # a weight or a constant: its rounding is the layer's own
+            if tracing.reaches_softmax(source.op):
+                continue  # a mask, chosen per dtype
             if source.dtype == tf.float32 and t.dtype in (tf.float16, tf.bfloat16):
                 entry["cast"].append((t.name, source.name))
             entry["in"].append((t.name, source.name))
@@ -150,7 +191,7 @@ def _boundaries(model, graph) -> dict[str, dict]:
                 continue
             consumers = t.consumers()
             if not consumers or any(owner.get(c.name) is not layer for c in consumers):
-                entry["out"].append(t.name)
+                entry["out"].append((t.name, _source(t).name))
     return found
 
 
@@ -169,8 +210,8 @@ def _run(model, inputs, wanted: list[str] | None):
         names.clear()
         if wanted is None:
             for entry in found.values():
-                taken = [n for pair in entry["in"] for n in pair]
-                names.extend(n for n in entry["out"] + taken if n not in names)
+                pairs = entry["in"] + entry["out"]
+                names.extend(n for pair in pairs for n in pair if n not in names)
         else:
             names.extend(wanted)
         values = []
@@ -236,9 +277,16 @@ def layer_drift(model: keras.layers.Layer, x: Any) -> Drifts:
     try:
         if not model.built:
             model(inputs, training=False)
-        found, low = _run(model, inputs, None)
-        with float32_pass.every_layer_in_float32(model):
-            _, high = _run(model, inputs, list(low))
+        # The passes leave the model's state as they found it: random seeds,
+        # a stateful RNN's states.
+        state = [(v, v.numpy()) for v in model.non_trainable_variables]
+        try:
+            found, low = _run(model, inputs, None)
+            with float32_pass.every_layer_in_float32(model):
+                _, high = _run(model, inputs, list(low))
+        finally:
+            for variable, value in state:
+                variable.assign(value)
     except Exception as e:  # user code that cannot run on x: say why
         return Drifts((), dtype, tracing.error_line(e))
 
@@ -248,8 +296,8 @@ def layer_drift(model: keras.layers.Layer, x: Any) -> Drifts:
 
     drifts = []
     for path, entry in found.items():
-        out = [(n, n) for n in entry["out"] if n in high]
-        if not out:
+        out = [(a, b) for a, b in entry["out"] if b in high]
+        if not out or entry["random"]:
             continue
         layer = entry["layer"]
         taken = [(a, b) for a, b in entry["in"] if b in high]
@@ -262,7 +310,7 @@ def layer_drift(model: keras.layers.Layer, x: Any) -> Drifts:
                 worst(taken, high),
                 worst(entry["cast"], low) > 0,
                 tuple(sorted(entry["by"])),
-                type(layer).__module__.startswith("keras"),
+                type(layer).__module__.split(".")[0] in _KERAS_PACKAGES,
             )
         )
     return Drifts(tuple(drifts), dtype)

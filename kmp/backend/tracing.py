@@ -215,8 +215,9 @@ def trace(model: keras.layers.Layer) -> Trace:
 
     Args:
         model: A built model: a Functional or Sequential one with inputs, or
-            a subclassed one built by a call on one input (traced with a
-            float32 input of the shape it was built with).
+            a subclassed one built by a call on one argument, a tensor or
+            a tuple of them (traced with float32 inputs of the shapes it was
+            built with).
 
     Returns:
         A `Trace`; its `error` says why when the model cannot be traced
@@ -448,8 +449,15 @@ class Forward:
 
 
 def forward(model: keras.layers.Layer) -> Forward:
-    """Traces `model(x, training=False)` once for its input shapes (see
-    `trace` for what can be traced); nothing runs and nothing changes."""
+    """Traces `model(x, training=False)` once for its input shapes; nothing
+    runs and nothing changes.
+
+    Args:
+        model: A built model (see `trace` for what can be traced).
+
+    Returns:
+        A `Forward`; its `error` says why when the model cannot be traced.
+    """
     specs = _input_specs(model)
     if specs is None:
         return Forward(error=_no_shapes(model))
@@ -483,26 +491,21 @@ def float32_output_mixes(
     it (the model's own code, or a layer's that does not cast its inputs),
     read from `traced`: the op, as `'Sub in Net'`. None where it would meet
     none: it reaches only casts, Keras layers (which cast their inputs),
-    constants and the model's outputs."""
+    Python numbers and the model's outputs. A 16-bit constant kmp cannot
+    tell from one made in a fixed dtype counts as a 16-bit tensor."""
     names: dict[int, dict] = {}
-    chains = {
-        op.name: _chain(model, op.name, names) for op in traced.graph.get_operations()
-    }
+    ops = traced.graph.get_operations()
+    chains = {op.name: _chain(model, op.name, names) for op in ops}
     inside = {name for name, chain in chains.items() if layer in chain}
-    ops = [op for op in traced.graph.get_operations() if op.name in inside]
-    if not ops:
+    own = [op for op in ops if op.name in inside]
+    if not own:
         return None
-    enclosing = chains[ops[0].name][: chains[ops[0].name].index(layer)]
-    reached = {t.ref() for t in _leaving(ops, inside)}
-    stack = [c for t in _leaving(ops, inside) for c in t.consumers()]
-    seen: set[str] = set()
-    while stack:
-        op = stack.pop()
-        if op.name in seen or op.name in inside:
-            continue
-        seen.add(op.name)
+    enclosing = chains[own[0].name][: chains[own[0].name].index(layer)]
+
+    def absorbs(op) -> bool:
+        """A cast makes its own dtype; a Keras layer casts its inputs."""
         if op.type == "Cast":
-            continue  # a cast makes its own dtype
+            return True
         chain = chains[op.name]
         shared = 0
         while (
@@ -510,28 +513,45 @@ def float32_output_mixes(
             and chain[shared] is enclosing[shared]
         ):
             shared += 1
-        if shared < len(chain) and keras_private.converts_input_args(chain[shared]):
-            continue  # a Keras layer called on it casts its inputs
+        return shared < len(chain) and keras_private.converts_input_args(chain[shared])
+
+    # First everything the output reaches (the graph's ops come in
+    # topological order), then what else each op that takes it meets.
+    reached = {t.ref() for t in _leaving(own, inside)}
+    takers = []
+    for op in ops:
+        if op.name in inside or not any(t.ref() in reached for t in op.inputs):
+            continue
+        if absorbs(op):
+            continue
+        takers.append(op)
+        reached.update(t.ref() for t in op.outputs if t.dtype.name in _FLOATS)
+    for op in takers:
         for t in op.inputs:
             if t.ref() in reached or t.dtype.name not in ("float16", "bfloat16"):
                 continue
-            if _source_op(t).type == "Const":
-                continue  # a Python number: made in the other operand's dtype
-            owner = type(chain[-1] if chain else model).__name__
-            return f"{op.type} in {owner}"
-        for t in op.outputs:
-            if t.dtype.name in _FLOATS:
-                reached.add(t.ref())
-                stack.extend(t.consumers())
+            if _python_number(t, op):
+                continue
+            chain = chains[op.name]
+            return f"{op.type} in {type(chain[-1] if chain else model).__name__}"
     return None
 
 
+def _python_number(tensor, consumer) -> bool:
+    """Whether `tensor` is a constant TensorFlow made from a Python number
+    for `consumer` (named under it, as `mul/y`): in another trace it is made
+    in the other operand's dtype."""
+    op = _source_op(tensor)
+    return op.type == "Const" and op.name.startswith(consumer.name + "/")
+
+
 def _source_op(tensor):
-    """The op behind `tensor`, through identities."""
-    op = tensor.op
-    while op.type in ("Identity", "IdentityN") and op.inputs:
-        op = op.inputs[0].op
-    return op
+    """The op behind `tensor`, through identities (an `IdentityN`'s k-th
+    output is its k-th input)."""
+    while tensor.op.type in ("Identity", "IdentityN") and tensor.op.inputs:
+        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+        tensor = tensor.op.inputs[index]
+    return tensor.op
 
 
 def hands_out(

@@ -230,22 +230,20 @@ def precision_check(
             measured = drift.layer_drift(model, sample)
     risks = []
     for d in measured.beyond_rounding():
-        dtype = d.compute_dtype if d.compute_dtype in _SIXTEEN else measured.dtype
+        dtype = measured.dtype_of(d)
         if d.rounded_by:
             cause = (
                 f"it takes {dtype} results of {', '.join(map(repr, d.rounded_by))}, "
                 "and cancels what they lost"
             )
-            paths = (d.path, *d.rounded_by)
         elif d.rounded_at_boundary:
             cause = (
                 f"Keras rounds its float32 inputs to {dtype} before its call "
                 "runs, and they carry more digits than 16 bits hold"
             )
-            paths = (d.path,)
         else:
             cause = f"its own code cancels in {dtype} (subtracts near-equal values)"
-            paths = (d.path,)
+        paths = d.fix_paths
         rules = ", ".join(f"kmp.set_layer_policy('name:{p}', 'float32')" for p in paths)
         which = "them" if len(paths) > 1 else "it"
         fix = f"compute {which} in float32: {rules}, then kmp.prepare(model)"

@@ -338,7 +338,7 @@ class OverflowHealer(keras.callbacks.Callback):
                 f"{self.model.name!r} whose moved output code outside them "
                 "would join with a 16-bit tensor: "
                 + ", ".join(f"{p!r} ({m})" for p, m in refused.items())
-                + ". Those moves are taken back. Is it the record of another "
+                + ". Those moves are left out. Is it the record of another "
                 "version of the model?"
             )
             kept = [h for h in kept if h.layer not in refused]
@@ -355,15 +355,15 @@ class OverflowHealer(keras.callbacks.Callback):
                 continue
             unit = _unit(layer) if heal.sublayers else [layer]
             moved = _move(unit, heal.dtype, str(heal))
+            if heal not in self.heals:
+                self.heals.append(heal)
             if not moved:
                 continue  # moved already (this process)
             restored.append((heal, moved))
-            if heal not in self.heals:
-                self.heals.append(heal)
             if self.verbose:
                 print(f"kmp: {heal.layer!r} moved to {heal.dtype} again ({heal})")
         if refused:
-            self._write()  # without the moves taken back
+            self._write()  # without the moves left out
         return restored
 
     def _write(self) -> None:

@@ -8,6 +8,7 @@ manager) and `custom_fwd(cast_inputs=torch.float32)` (the decorator).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
@@ -29,11 +30,18 @@ def _is_float_tensor(x: Any) -> bool:
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))
 
 
-def _cast(structure: Any, dtype: str) -> Any:
+_SIXTEEN = ("float16", "bfloat16")
+
+
+def _cast(structure: Any, dtype: str, only: tuple[str, ...] | None = None) -> Any:
+    """`structure` with its floating tensors cast to `dtype` (those in one of
+    the dtypes `only` names, where given)."""
+
     def cast(x):
         if not _is_float_tensor(x):
             return x
-        if keras.backend.standardize_dtype(x.dtype) == dtype:
+        own = keras.backend.standardize_dtype(x.dtype)
+        if own == dtype or (only is not None and own not in only):
             return x
         return keras.ops.cast(x, dtype)
 
@@ -56,7 +64,8 @@ class _Float32Scope:
 
     def __init__(self, output_dtype: str | None):
         self._output_dtype = output_dtype
-        self._entered: list[Any] = []
+        # Per thread: one scope object may be entered by replica threads.
+        self._local = threading.local()
 
     def __enter__(self) -> None:
         if self._output_dtype is not None:
@@ -70,10 +79,15 @@ class _Float32Scope:
             )
         scope = keras_private.autocast_scope("float32")
         scope.__enter__()
-        self._entered.append(scope)
+        self._entered().append(scope)
 
     def __exit__(self, *exc: Any) -> None:
-        self._entered.pop().__exit__(*exc)
+        self._entered().pop().__exit__(*exc)
+
+    def _entered(self) -> list[Any]:
+        if not hasattr(self._local, "scopes"):
+            self._local.scopes = []
+        return self._local.scopes
 
     def __call__(self, fn: F) -> F:
         if not callable(fn):
@@ -86,9 +100,10 @@ class _Float32Scope:
         @functools.wraps(fn)
         def in_float32(*args: Any, **kwargs: Any) -> Any:
             dtypes = _float_dtypes((args, kwargs))
+            sixteen = [d for d in dtypes if d in _SIXTEEN]
             if output_dtype is not None:
                 target = output_dtype
-            elif len(dtypes) > 1:
+            elif sixteen and len(dtypes) > 1:
                 raise ValueError(
                     f"`{fn.__qualname__}` in a float32 scope cannot tell which "
                     "dtype to return its results in. Expected its floating "
@@ -97,11 +112,12 @@ class _Float32Scope:
                     "@kmp.float32_scope(output_dtype='bfloat16')."
                 )
             else:
-                target = dtypes[0] if dtypes else "float32"
-            args, kwargs = _cast((args, kwargs), "float32")
+                # Nothing came in 16-bit: nothing to give back.
+                target = sixteen[0] if sixteen else None
+            args, kwargs = _cast((args, kwargs), "float32", only=_SIXTEEN)
             with _Float32Scope(None):
                 outputs = fn(*args, **kwargs)
-            return _cast(outputs, target)
+            return outputs if target is None else _cast(outputs, target)
 
         return in_float32  # type: ignore[return-value]
 
@@ -114,10 +130,11 @@ def float32_scope(fn: F | None = None, /, *, output_dtype: str | None = None) ->
     Keras's own sensitive layers in float32.
 
     As a decorator (PyTorch's `custom_fwd(cast_inputs=torch.float32)`), it
-    casts the function's floating tensor inputs to float32 and runs it in
-    float32. Its floating outputs go back in the dtype the inputs came in,
-    so the code that calls it receives what it expects. A function whose
-    floating inputs arrive in several dtypes names its output dtype.
+    casts the function's float16 and bfloat16 tensor inputs to float32 and
+    runs it in float32. Its floating outputs go back in the 16-bit dtype
+    the inputs came in, so the code that calls it receives what it expects.
+    A function whose floating inputs arrive in several dtypes, one of them
+    16-bit, names its output dtype.
 
     As a context manager (PyTorch's `autocast(enabled=False)`), variables
     read inside the block are float32, also inside a mixed layer's `call`.
@@ -134,8 +151,9 @@ def float32_scope(fn: F | None = None, /, *, output_dtype: str | None = None) ->
         fn: The function to decorate. Leave it out to get a context manager,
             or a decorator that takes `output_dtype`.
         output_dtype: The dtype the decorated function's floating outputs
-            are cast to. By default, the one dtype its floating inputs came
-            in (float32 if none was floating).
+            are cast to. By default, the one 16-bit dtype its floating
+            inputs came in; where none came in 16-bit, outputs are left as
+            the function returns them.
 
     Returns:
         The decorated function, or an object that is both a context manager

@@ -131,6 +131,7 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
 
     from kmp.backend import machine
     from kmp.diagnostics import audit
+    from kmp.precision import policy as policy_lib
     from kmp.tools import bench
 
     model = keras.models.load_model(args.model, compile=False)  # its weights
@@ -144,7 +145,8 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
         )
     risks, error = audit.range_check(model, sample)
     policy = machine.resolve_auto().policy
-    if not error and policy != "float32":
+    checked = not error and policy_lib.get(policy).is_16bit
+    if checked:
         # What the policy 'auto' picks here would do to the model's precision.
         lost, error = audit.precision_check(model, sample, policy)
         risks += lost
@@ -155,10 +157,15 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
     found = [dataclasses.asdict(r) for r in risks]
     if not args.json:
         limit = audit.FLOAT16_MAX
+        precision = (
+            f"precision under {policy!r}, what 'auto' picks here"
+            if checked
+            else f"precision not checked: 'auto' picks {policy!r} here"
+        )
         print(
             f"activation range and precision of {args.model} (one float32 "
             f"forward pass on {where}; float16's largest value is {limit:g}; "
-            f"precision under {policy!r}, what 'auto' picks here):"
+            f"{precision}):"
         )
         if found:
             rows = [
@@ -169,10 +176,8 @@ def _activation_range(args: argparse.Namespace) -> list[dict]:
                 fix = next(r.fix for r in risks if r.kind == kind)
                 print(f"fix ({kind}): {fix}")
         else:
-            print(
-                f"  no layer reaches {limit / audit.DEFAULT_HEADROOM:g}, and "
-                "none loses precision beyond rounding."
-            )
+            lost = ", and none loses precision beyond rounding" if checked else ""
+            print(f"  no layer reaches {limit / audit.DEFAULT_HEADROOM:g}{lost}.")
     return found
 
 

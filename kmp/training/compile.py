@@ -226,6 +226,15 @@ def _warn_overflowing(model: keras.Model, sample: Any) -> None:
         )
 
 
+def _described(sample: Any) -> str:
+    """A sample's structure, each array as its type and shape."""
+    return str(
+        keras.tree.map_structure(
+            lambda x: f"{type(x).__name__}{tuple(getattr(x, 'shape', ()))}", sample
+        )
+    )
+
+
 def _warn_imprecise(model: keras.Model, sample: Any) -> None:
     """Warns about the layers whose results on `sample` move from float32's
     by far more than 16-bit rounding explains."""
@@ -235,21 +244,21 @@ def _warn_imprecise(model: keras.Model, sample: Any) -> None:
             f"kmp.compile(sample=...) runs {model.name!r} on the sample to "
             f"compare it with float32, and it could not: {measured.error}. "
             "Expected a batch the model takes as input, as fit() receives it "
-            "(without the targets)."
+            f"(without the targets). Received: {_described(sample)}."
         )
     lost = measured.beyond_rounding()
     if lost:
         named = ", ".join(f"{d.path!r} ({d.error:.0%})" for d in lost)
-        first = lost[0].path
+        paths = dict.fromkeys(p for d in lost for p in d.fix_paths)
+        rules = "; ".join(f"kmp.set_layer_policy('name:{p}', 'float32')" for p in paths)
         _warn.warn(
             f"kmp: on the sample, the results of these layers of {model.name!r} "
             f"differ from float32's by far more than {measured.dtype} rounding "
             f"explains: {named}. They cancel, or their inputs carry more "
             "digits than 16 bits hold, and training reaches a worse loss "
-            "without any NaN. Compute them in float32: "
-            f"kmp.set_layer_policy('name:{first}', 'float32'), then compile "
-            "again. kmp.debug.precision_audit(model, sample=...) lists them "
-            "with the cause."
+            f"without any NaN. Compute them in float32: {rules}; then "
+            "compile again. kmp.debug.precision_audit(model, sample=...) "
+            "lists them with the cause."
         )
 
 

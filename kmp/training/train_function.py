@@ -225,15 +225,18 @@ class TrainFunction:
                 "then kmp.compile it again"
                 if built
                 else "then build the model anew and kmp.compile it (layers "
-                "first built in the failed step cannot be traced again)"
+                "first built in the failed step cannot be traced again; a "
+                "model built anew names its layers anew, so give those "
+                "layers a name= for the rules to find)"
             )
             raise TypeError(
                 f"{tracing.error_line(e)}\n\nThe training step of "
                 f"{model.name!r} joins an output kmp computes in float32 with "
                 "a 16-bit tensor in raw TensorFlow, which does not mix dtypes. "
-                "kmp cannot read a training step's code before it runs. Keep "
-                f"those outputs 16-bit, as plain Keras computes them: {rules}; "
-                f"{again}. Or cast in the step: keras.ops.cast(y, h.dtype)."
+                "kmp cannot read a training step's code before it runs. Cast "
+                "in the step: keras.ops.cast(y, h.dtype). Or keep those "
+                f"outputs 16-bit, as plain Keras computes them: {rules}; "
+                f"{again}."
             ) from e
 
     def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
@@ -241,13 +244,15 @@ class TrainFunction:
         `retrace`): where its trace fails on mixed float dtypes, the error
         says what changed and what to do. kmp does not take the change back
         and retry."""
-        changed, self._changed = self._changed, None
         try:
-            return self._inner(iterator)
+            logs = self._inner(iterator)
         except (TypeError, tf.errors.InvalidArgumentError) as e:
             if not tracing.mixes_dtypes(e):
                 raise
-            raise TypeError(f"{tracing.error_line(e)}\n\n{changed}") from e
+            # Kept: the next fit says it again while the change holds.
+            raise TypeError(f"{tracing.error_line(e)}\n\n{self._changed}") from e
+        self._changed = None
+        return logs
 
     def retrace(self, changed: str | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
