@@ -1,7 +1,7 @@
-"""What kmp has applied to a model's layers: the policy it set on each layer and
-why (so that a later `prepare` can tell kmp's settings from a user's explicit
-`dtype=`), and the policy each model computed in when kmp first prepared it. Weak:
-forgets deleted layers and models."""
+"""What kmp has applied to a model's layers: the policy it set on each layer
+and why (so that a later `prepare` can tell kmp's settings from a user's
+explicit `dtype=`), and the layers `OverflowHealer` moved. Weak: forgets
+deleted layers."""
 
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ class Applied:
 
 
 applied_to: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-model_bases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Healed(NamedTuple):
@@ -68,10 +65,8 @@ def applied(layer: keras.layers.Layer) -> Applied | None:
 
 
 def base_policy(model: keras.layers.Layer) -> policy_lib.Policy:
-    """The policy `model` computes in, as `prepare` first saw it."""
-    recorded = model_bases.get(model)
-    if recorded is not None:
-        return recorded
+    """The policy `model` computes in: its own (kmp never changes a model's
+    own policy)."""
     return policy_lib.get(quantization.float_policy(model))
 
 

@@ -11,8 +11,6 @@ from kmp._base import warn as _warn
 from kmp.backend import tracing
 from kmp.planning.applied import Applied
 from kmp.planning.applied import applied_to
-from kmp.planning.applied import base_policy
-from kmp.planning.applied import model_bases
 from kmp.planning.decisions import FLOAT32_OUTPUTS
 from kmp.planning.decisions import Plan
 from kmp.planning.decisions import plan
@@ -130,7 +128,6 @@ def apply(the_plan: Plan) -> int:
     """Applies a plan made by `plan(model)` to its model (`prepare` is
     `apply(plan(model))`); returns how many layers' policies it changed."""
     model = the_plan.model
-    model_bases.setdefault(model, base_policy(model))
     changed = 0
     for d in the_plan:
         if d.explicit or d.policy is None:

@@ -22,7 +22,6 @@ from kmp.backend import tracing
 from kmp.planning import token_ids
 from kmp.planning.applied import applied
 from kmp.planning.applied import base_policy
-from kmp.planning.applied import model_bases
 from kmp.precision import attention
 from kmp.precision import convolutions
 from kmp.precision import kinds
@@ -432,7 +431,7 @@ def _inner_outputs(sites) -> dict[int, str]:
     found: dict[int, str] = {}
     for site in sites:
         inner = site.layer
-        if traversal.is_graph(inner) and inner in model_bases:
+        if traversal.is_graph(inner):
             for key in traversal.output_producers(inner):
                 record = applied(layers[key]) if key in layers else None
                 if record is not None and record.rule in FLOAT32_OUTPUTS:
