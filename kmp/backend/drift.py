@@ -46,8 +46,6 @@ EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 ROUNDING_UNITS = 16
 AMPLIFICATION = 8
 
-_PASS_THROUGH = frozenset(("Cast", "Identity", "IdentityN"))
-
 # Packages whose layers the user does not edit.
 _KERAS_PACKAGES = frozenset(("keras", "keras_hub", "keras_nlp", "keras_cv", "tf_keras"))
 
@@ -121,15 +119,6 @@ class Drifts:
         return d.compute_dtype if d.compute_dtype in EPSILON else self.dtype
 
 
-def _source(tensor):
-    """The tensor that `tensor` is a cast or identity of, followed back (an
-    `IdentityN`'s k-th output is its k-th input)."""
-    while tensor.op.type in _PASS_THROUGH and tensor.op.inputs:
-        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
-        tensor = tensor.op.inputs[index]
-    return tensor
-
-
 _NOT_COMPUTED = frozenset(
     ("Const", "ReadVariableOp", "VarHandleOp", "Placeholder", "NoOp")
 )
@@ -173,7 +162,7 @@ def _boundaries(model, graph) -> dict[str, dict]:
         for t in op.inputs:
             if not t.dtype.is_floating:
                 continue
-            source = _source(t)
+            source = tracing.source(t, casts=True)
             if owner.get(source.op.name) is layer:
                 continue
             if source.op.type in _NOT_COMPUTED - {"Placeholder"}:
@@ -191,7 +180,7 @@ def _boundaries(model, graph) -> dict[str, dict]:
                 continue
             consumers = t.consumers()
             if not consumers or any(owner.get(c.name) is not layer for c in consumers):
-                entry["out"].append((t.name, _source(t).name))
+                entry["out"].append((t.name, tracing.source(t, casts=True).name))
     return found
 
 

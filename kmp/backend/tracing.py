@@ -440,11 +440,14 @@ class Forward:
     Attributes:
         graph: The traced graph, or None.
         outputs: The model's float output tensors in it.
+        chains: Per op name, the layers whose calls the op ran in,
+            outermost first (`owners`), read once for every choice.
         error: Why the model could not be traced, or None.
     """
 
     graph: Any = None
     outputs: tuple = ()
+    chains: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
 
 
@@ -469,7 +472,8 @@ def forward(model: keras.layers.Layer) -> Forward:
         for t in keras.tree.flatten(concrete.outputs)
         if isinstance(t, tf.Tensor) and t.dtype.name in _FLOATS
     )
-    return Forward(concrete.graph, outputs)
+    op_names = [op.name for op in concrete.graph.get_operations()]
+    return Forward(concrete.graph, outputs, owners(model, op_names))
 
 
 def _leaving(ops, inside: set[str]) -> list:
@@ -493,9 +497,8 @@ def float32_output_mixes(
     none: it reaches only casts, Keras layers (which cast their inputs),
     Python numbers and the model's outputs. A 16-bit constant kmp cannot
     tell from one made in a fixed dtype counts as a 16-bit tensor."""
-    names: dict[int, dict] = {}
     ops = traced.graph.get_operations()
-    chains = {op.name: _chain(model, op.name, names) for op in ops}
+    chains = traced.chains
     inside = {name for name, chain in chains.items() if layer in chain}
     own = [op for op in ops if op.name in inside]
     if not own:
@@ -541,33 +544,28 @@ def _python_number(tensor, consumer) -> bool:
     """Whether `tensor` is a constant TensorFlow made from a Python number
     for `consumer` (named under it, as `mul/y`): in another trace it is made
     in the other operand's dtype."""
-    op = _source_op(tensor)
+    op = source(tensor).op
     return op.type == "Const" and op.name.startswith(consumer.name + "/")
 
 
-def _source_op(tensor):
-    """The op behind `tensor`, through identities (an `IdentityN`'s k-th
-    output is its k-th input)."""
-    while tensor.op.type in ("Identity", "IdentityN") and tensor.op.inputs:
+def source(tensor, casts: bool = False):
+    """The tensor that `tensor` is an identity of (and, with `casts`, a cast
+    of), followed back: an `IdentityN`'s k-th output is its k-th input."""
+    through = ("Identity", "IdentityN", "Cast") if casts else ("Identity", "IdentityN")
+    while tensor.op.type in through and tensor.op.inputs:
         index = tensor.value_index if tensor.op.type == "IdentityN" else 0
         tensor = tensor.op.inputs[index]
-    return tensor.op
+    return tensor
 
 
 def hands_out(
-    model: keras.layers.Layer,
-    traced: Forward,
-    layer: keras.layers.Layer,
-    part: keras.layers.Layer,
+    traced: Forward, layer: keras.layers.Layer, part: keras.layers.Layer
 ) -> bool:
     """Whether what `part` (a sublayer of `layer`) computes leaves `layer`
     unchanged (through reshapes, slices and identities, not math): an
     attention layer that returns its softmax's scores. Read from
     `traced`."""
-    names: dict[int, dict] = {}
-    chains = {
-        op.name: _chain(model, op.name, names) for op in traced.graph.get_operations()
-    }
+    chains = traced.chains
     outer = {name for name, chain in chains.items() if layer in chain}
     own = {name for name, chain in chains.items() if part in chain}
     outputs = {t.ref() for t in traced.outputs}
@@ -587,16 +585,13 @@ def hands_out(
     return False
 
 
-def input_only_feeds_sublayers(
-    model: keras.layers.Layer, traced: Forward, layer: keras.layers.Layer
-) -> bool:
+def input_only_feeds_sublayers(traced: Forward, layer: keras.layers.Layer) -> bool:
     """Whether `layer`'s own code hands its inputs only to its sublayers
     (through reshapes, slices and casts, not math), read from `traced`: then
     what it returns does not depend on the dtype its inputs arrive in. False
     where it did not run in the trace."""
-    names: dict[int, dict] = {}
     ops = traced.graph.get_operations()
-    chains = {op.name: _chain(model, op.name, names) for op in ops}
+    chains = traced.chains
     inside = {name for name, chain in chains.items() if layer in chain}
     if not inside:
         return False
@@ -655,21 +650,16 @@ def output_sources(
     traced = traced or forward(model)
     if traced.error:
         return OutputSources(error=traced.error)
-    names: dict[int, dict] = {}
     found: set[int] = set()
     seen: set[str] = set()
-    ran = {
-        id(chain[0])
-        for op in traced.graph.get_operations()
-        if (chain := _chain(model, op.name, names))
-    }
+    ran = {id(chain[0]) for chain in traced.chains.values() if chain}
     stack = [t.op for t in traced.outputs]
     while stack:
         op = stack.pop()
         if op.name in seen:
             continue
         seen.add(op.name)
-        chain = _chain(model, op.name, names)
+        chain = traced.chains[op.name]
         if chain:
             found.add(id(chain[0]))
         elif op.type in _HANDS_ON:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,14 @@ from kmp.internals.changed import changed
 def _check(obj: Any, name: str, consequence: str) -> None:
     if not hasattr(obj, name):
         raise changed("Keras", keras.__version__, f"`{name}`", consequence)
+
+
+def _private(module: str, name: str, consequence: str) -> Any:
+    """`name` from Keras's private `module`, or `InternalsChanged`."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise changed("Keras", keras.__version__, f"`{name}`", consequence) from e
 
 
 def _flag(obj: Any, name: str, consequence: str) -> bool:
@@ -196,13 +205,11 @@ def name_scopes_restored() -> Iterator[None]:
     scope failed to enter: Keras pushes a scope before TensorFlow, in a
     graph, refuses its name (one starting with `_`), and the scope is then
     never popped, so that every variable made after it is named under it."""
-    try:
-        from keras.src.backend.common import global_state
-    except ImportError as e:
-        raise changed(
-            "Keras", keras.__version__, "`global_state`",
-            "kmp cannot keep Keras's name scopes as they were",
-        ) from e  # fmt: skip
+    global_state = _private(
+        "keras.src.backend.common",
+        "global_state",
+        "kmp cannot keep Keras's name scopes as they were",
+    )
     stack = global_state.get_global_attribute(
         "name_scope_stack", default=[], set_to_default=True
     )
@@ -232,11 +239,9 @@ def autocast_scope(dtype: str | None) -> Any:
     """Keras's `AutocastScope(dtype)`, the scope a mixed layer's `call` runs
     in: float variables read inside it come back in `dtype` (as they are
     for None)."""
-    try:
-        from keras.src.backend import AutocastScope
-    except ImportError as e:
-        raise changed(
-            "Keras", keras.__version__, "`AutocastScope`",
-            "kmp cannot read variables in float32 inside a float32 scope",
-        ) from e  # fmt: skip
-    return AutocastScope(dtype)
+    scope = _private(
+        "keras.src.backend",
+        "AutocastScope",
+        "kmp cannot read variables in float32 inside a float32 scope",
+    )
+    return scope(dtype)

@@ -499,7 +499,7 @@ def _default(site, kind, inherited, base, model_weights, top, traced):
         # 2048). In float32 the layer passes them on exactly; applied only
         # where its code hands them only to its sublayers (read from the
         # plan's trace), so that it still returns what it returned.
-        if token_ids.passes_ids_on(top, traced.get(), layer):
+        if token_ids.passes_ids_on(traced.get(), layer):
             return float32, TOKEN_IDS, ""
         return (
             *plain[:2],
@@ -604,7 +604,7 @@ def _scores_stay_inside(model, inherited, traced: _OneTrace) -> frozenset[int]:
         id(s.layer)
         for s in sites
         if not any(
-            tracing.hands_out(model, forward, s.layer, child)
+            tracing.hands_out(forward, s.layer, child)
             for child in traversal.children(s.layer)
             if isinstance(child, keras.layers.Softmax)
         )

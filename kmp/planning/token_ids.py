@@ -25,10 +25,10 @@ def rounds_token_ids(layer) -> bool:
     )
 
 
-def passes_ids_on(model, traced: tracing.Forward, layer) -> bool:
+def passes_ids_on(traced: tracing.Forward, layer) -> bool:
     """Whether `layer`, computing in float32, still returns what it returns:
     its own code hands its inputs only to its sublayers (which keep their
-    policies), read from the plan's trace of `model`."""
+    policies), read from the plan's trace of the model (`traced`)."""
     if traced.error:
         return False
-    return tracing.input_only_feeds_sublayers(model, traced, layer)
+    return tracing.input_only_feeds_sublayers(traced, layer)
