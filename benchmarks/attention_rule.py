@@ -110,7 +110,7 @@ def error(variants) -> dict:
         inputs = keras.Input((128, 256))
         layer = keras.layers.MultiHeadAttention(8, 32)
         # A layer after the attention, so that it is not the model's output
-        # (kmp computes output layers in float32 whole).
+        # (an output follows the output rules, not the scores rule alone).
         outputs = keras.layers.Identity()(layer(inputs, inputs))
         model = keras.Model(inputs, outputs)
         return (kmp.prepare(model) if use_kmp else model,)

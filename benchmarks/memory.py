@@ -10,8 +10,8 @@ Two models, random weights and data:
                Keras's mixed-precision guide writes it), batch 16
   transformer-folded  the same with its softmax folded into the last Dense
                (`Dense(8000, activation="softmax", dtype="float32")`, what
-               kmp computes for an output layer), as `kmp.precision_report`
-               advises for that head
+               kmp computes for a layer with a softmax activation), as
+               `kmp.precision_report` advises for that head
 
 Each trained with Adam by `fit`, one way per process:
 
@@ -103,7 +103,7 @@ def build(name: str):
     layers = keras.layers
     tokens, h = transformer_trunk()
     if name == "transformer-folded":
-        # What kmp computes for the output layer, written as a Keras user
+        # What kmp computes for a softmax Dense, written as a Keras user
         # would for plain Keras.
         outputs = layers.Dense(VOCAB, activation="softmax", dtype="float32")(h)
     else:

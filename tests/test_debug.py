@@ -72,9 +72,9 @@ def test_following_the_suggested_fixes_ends_the_overflow():
         named.append(report.layer)
         kmp.set_layer_policy(f"name:{report.layer}", "float32")
         kmp.prepare(model)
-    # 'blown' overflows; in float32 its output (above 65504) then goes to the
-    # output layer, which computes in float32 too: fixed in one step.
-    assert named == ["blown"]
+    # 'blown' overflows; in float32 its output (above 65504) then overflows
+    # the float16 output layer, named next: fixed in two steps.
+    assert named == ["blown", "out"]
     assert not kmp.debug.find_nonfinite(model, x).found
 
 
@@ -84,8 +84,8 @@ def test_find_nonfinite_with_targets_searches_the_backward_pass():
     assert not kmp.debug.find_nonfinite(model, x).found
     report = kmp.debug.find_nonfinite(model, x, y)
     assert report.found and report.phase == "backward"
-    # The first layer in backward order: `out` computes in float32.
-    assert report.layer == "blown"
+    # The first layer in backward order: `out`, in float16 (its output cast).
+    assert report.layer == "out"
     assert report.compute_dtype == "float16"
     assert "loss scale 1024" in report.note
     assert "'blown'" in report.note  # the largest activation points upstream

@@ -252,7 +252,8 @@ class TfKeras2StepModel(keras.Model):
 def regression_model(cls):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
-    return cls(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+    head = keras.layers.Dense(1, name="head")
+    return cls(inputs, head(keras.layers.Dense(8)(inputs)))
 
 
 def test_a_tf_keras_2_train_step_trains_as_written_under_kmp_compile():
@@ -261,7 +262,10 @@ def test_a_tf_keras_2_train_step_trains_as_written_under_kmp_compile():
     mixed_precision.set_global_policy("mixed_float16")
     # The reference: the same model with Keras's own train_step, kmp.compile.
     reference = regression_model(keras.Model)
+    # Its head in float32, as kmp computes an output a train_step receives.
+    kmp.set_layer_policy("name:head", "float32")
     kmp.compile(reference, optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    kmp.clear_layer_policies()
     initial = reference.get_weights()
     model = regression_model(TfKeras2StepModel)
     model.set_weights(initial)

@@ -80,16 +80,18 @@ def test_transformer_classifier_keeps_interfaces_and_returns_float32(policy):
 
 
 @pytest.mark.parametrize("policy", MIXED)
-def test_cnn_keeps_batchnorm_16bit_and_computes_the_output_in_float32(policy):
+def test_cnn_keeps_batchnorm_16bit_and_casts_the_output_to_float32(policy):
     kmp.set_policy(policy)
     model = kmp.prepare(small_cnn())
     compute = COMPUTE[policy]
-    outputs = layer_outputs(model, np.random.rand(2, 12, 12, 3).astype("float32"))
+    x = np.random.rand(2, 12, 12, 3).astype("float32")
+    outputs = layer_outputs(model, x)
     slow_conv = policy == "mixed_float16" and planning._float16_convolutions_are_slow()
     assert dtype_of(outputs["conv"]) == ("float32" if slow_conv else compute)
     assert dtype_of(outputs["bn"]) == compute
     assert dtype_of(outputs["relu"]) == compute
-    assert dtype_of(outputs["logits"]) == "float32"
+    assert dtype_of(outputs["logits"]) == compute  # cast where handed on:
+    assert model.predict(x, verbose=0).dtype == np.float32
     for name in ("conv", "bn", "logits"):
         assert all(w.dtype == "float32" for w in model.get_layer(name).weights)
 
@@ -197,8 +199,9 @@ def test_unit_normalization_overflows_in_keras_float16_and_not_under_kmp():
 
 
 @pytest.mark.parametrize("policy", MIXED)
-def test_every_model_output_is_float32_regression_heads_included(policy):
-    # TensorFlow's guide asks for a float32 last layer; kmp makes it so.
+def test_every_model_output_is_cast_to_float32_and_a_sigmoid_is_float32(policy):
+    # TensorFlow's guide asks for a float32 output; kmp casts it, as its
+    # Activation('linear', dtype='float32') does.
     kmp.set_policy(policy)
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="sigmoid", name="gate")(inputs)
@@ -208,12 +211,38 @@ def test_every_model_output_is_float32_regression_heads_included(policy):
     model.get_layer("value").set_weights([np.zeros((8, 1)), np.array([1234.567])])
     value_out, prob_out = model.predict(np.ones((2, 4)), verbose=0)
     assert value_out.dtype == prob_out.dtype == np.float32
-    # Under bfloat16 a 16-bit head would predict 1232.0.
-    np.testing.assert_allclose(value_out, 1234.567, rtol=1e-6)
+    # The value carries its policy's rounding (bfloat16's spacing is 8 there).
+    rounded = {"mixed_bfloat16": 1232.0, "mixed_float16": 1235.0}[policy]
+    np.testing.assert_array_equal(value_out, rounded)
     assert model.get_layer("gate").compute_dtype == COMPUTE[policy]
+    assert model.get_layer("value").compute_dtype == COMPUTE[policy]
+    assert model.get_layer("prob").compute_dtype == "float32"
     report = kmp.precision_report(model)
     assert report.row("value").rule == planning.OUTPUT
-    assert report.outputs == ("float32", "float32")
+    assert report.row("prob").rule == planning.SIGMOID_OUTPUT
+    assert report.outputs == (COMPUTE[policy], "float32")  # as the model returns
+    # A head that needs float32's digits gets them from a rule.
+    kmp.set_layer_policy("name:value", "float32")
+    kmp.prepare(model)
+    value_out, _ = model.predict(np.ones((2, 4)), verbose=0)
+    np.testing.assert_allclose(value_out, 1234.567, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_a_sigmoid_output_keeps_the_gradient_of_its_saturated_logits(policy):
+    # Keras's binary crossentropy reads the logits a sigmoid keeps; a 16-bit
+    # sigmoid cast by the loss loses them, and its clipped log has no slope.
+    kmp.set_policy(policy)
+    inputs = keras.Input((1,))
+    prob = keras.layers.Dense(1, activation="sigmoid", name="prob")(inputs)
+    model = kmp.prepare(keras.Model(inputs, prob))
+    model.get_layer("prob").set_weights([np.ones((1, 1)), np.zeros(1)])
+    x, y = tf.constant([[-20.0]]), tf.constant([[1.0]])
+    with tf.GradientTape() as tape:
+        loss = keras.losses.binary_crossentropy(y, model(x))
+    (grad, _) = tape.gradient(loss, model.get_layer("prob").trainable_weights)
+    np.testing.assert_allclose(float(loss[0]), 20.0, rtol=1e-3)
+    np.testing.assert_allclose(float(grad[0, 0]), 20.0, rtol=1e-3)
 
 
 def test_defaults_do_not_apply_under_float32_policies():
@@ -399,7 +428,7 @@ def test_nested_models_get_rules_and_inner_outputs_are_found():
     assert report.row("inner/dense").compute_dtype == "float16"
     assert report.row("inner/probs").compute_dtype == "float32"
     assert report.row("inner/mix").compute_dtype == "float16"
-    assert report.row("head/p").rule == planning.OUTPUT
+    assert report.row("head/p").rule == planning.SIGMOID_OUTPUT
     assert dtype_of(model(np.ones((2, 8)))) == "float32"
 
 
@@ -414,12 +443,13 @@ def test_a_sigmoid_inside_a_nested_model_that_is_not_the_output_stays_16bit():
     model = kmp.prepare(keras.Model(inputs, outputs))
     report = kmp.precision_report(model)
     assert report.row("gates/gate").compute_dtype == "float16"
-    assert report.row("head").compute_dtype == "float32"
+    assert report.row("head").rule == planning.OUTPUT
 
 
 def test_a_subclassed_model_keeps_what_its_layers_return():
     # Its call is Python code kmp cannot see: a float32 softmax there would
-    # change what `call` computes with. The audit names the 16-bit output.
+    # change what `call` computes with. Its output is cast where Keras's
+    # loss and predict take it.
     class Classifier(keras.Model):
         def __init__(self):
             super().__init__()
@@ -436,7 +466,8 @@ def test_a_subclassed_model_keeps_what_its_layers_return():
     assert dtype_of(y) == "bfloat16"
     assert model.out.compute_dtype == "bfloat16"
     kinds = kmp.debug.precision_audit(model).kinds()
-    assert "16-bit output" in kinds
+    assert "16-bit output" not in kinds
+    assert model.predict(np.ones((2, 4)), verbose=0).dtype == np.float32
 
 
 def test_an_unbuilt_attention_layer_is_left_alone_until_prepared_after_build():
@@ -586,20 +617,25 @@ def test_predict_after_prepare_computes_with_the_policies_prepare_set():
     # A predict run before (a check right after loading) had traced the
     # old policies.
     kmp.set_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="sigmoid")]
+    )
     x = np.ones((2, 4), "float32")
     assert model.predict(x, verbose=0).dtype == np.float16
-    kmp.prepare(model)  # the output layer moves to float32
+    kmp.prepare(model)  # the sigmoid output moves to float32
+    assert model.layers[0].compute_dtype == "float32"
     assert model.predict(x, verbose=0).dtype == np.float32
 
 
 def test_a_nested_models_predict_after_prepare_computes_with_the_new_policies():
     kmp.set_policy("mixed_float16")
-    head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    head = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="sigmoid")]
+    )
     x = np.ones((2, 4), "float32")
     assert head.predict(x, verbose=0).dtype == np.float16
     inputs = keras.Input((4,))
-    kmp.prepare(keras.Model(inputs, head(inputs)))  # its output: float32
+    kmp.prepare(keras.Model(inputs, head(inputs)))  # its sigmoid: float32
     assert head.predict(x, verbose=0).dtype == np.float32
 
 
@@ -610,10 +646,12 @@ def test_prepare_rejects_non_models():
 
 def test_plan_says_when_a_model_computes_in_float16():
     kmp.set_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(2, activation="sigmoid")]
+    )
     assert not kmp.planning.decisions.plan(
         model
-    ).computes_in_float16  # its only layer: output
+    ).computes_in_float16  # its only layer: a float32 sigmoid output
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)]
     )
@@ -722,7 +760,7 @@ def test_an_output_produced_through_ops_is_float32(policy):
     assert "16-bit output" not in kmp.debug.precision_audit(model).kinds()
 
 
-def test_a_large_custom_output_layer_keeps_its_policy_and_a_small_head_does_not():
+def test_a_custom_output_layer_keeps_its_policy_large_or_small():
     class Body(keras.layers.Layer):
         def __init__(self, width, **kwargs):
             super().__init__(**kwargs)
@@ -737,13 +775,30 @@ def test_a_large_custom_output_layer_keeps_its_policy_and_a_small_head_does_not(
     body = Body(64, name="body")
     model = kmp.prepare(keras.Model(inputs, body(inputs)))
     assert body.a.compute_dtype == "bfloat16"  # mixed precision stays on
-    risks = [r for r in kmp.debug.precision_audit(model) if r.kind == "16-bit output"]
-    assert len(risks) == 1 and "Activation('linear', dtype='float32')" in risks[0].fix
+    assert "16-bit output" not in kmp.debug.precision_audit(model).kinds()
+    assert model.predict(np.ones((1, 64)), verbose=0).dtype == np.float32
     head = Body(4, name="head")
     x = keras.layers.Dense(4)(keras.layers.Dense(64)(inputs))
     small = kmp.prepare(keras.Model(inputs, head(x)))
-    assert head.a.compute_dtype == "float32"
+    assert head.a.compute_dtype == "bfloat16"
     assert small.predict(np.ones((1, 64)), verbose=0).dtype == np.float32
+    # Where a train_step of the model's own receives it, kmp cannot cast it
+    # there: the audit says how.
+
+    class Stepped(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    head = Body(4, name="stepped_head")
+    stepped = kmp.prepare(Stepped(inputs, head(x)))
+    assert head.a.compute_dtype == "bfloat16"
+    decision = kmp.planning.decisions.plan(stepped).decision("stepped_head")
+    assert "training code receives" in decision.note
+    [risk] = [
+        r for r in kmp.debug.precision_audit(stepped) if r.kind == "16-bit output"
+    ]
+    assert risk.layer == "stepped_head"
+    assert "kmp.set_layer_policy('name:stepped_head', 'float32')" in risk.fix
 
 
 @pytest.mark.parametrize(

@@ -228,7 +228,8 @@ def test_what_the_model_computes_in_float32_is_not_named():
     h = keras.layers.Dense(64, name="wide")(inputs)
     h = keras.layers.LayerNormalization(name="norm")(h)
     h = keras.layers.Dense(64, name="big")(h)
-    model = kmp.prepare(keras.Model(inputs, keras.layers.Dense(4, name="head")(h)))
+    head = keras.layers.Dense(4, activation="sigmoid", name="head")
+    model = kmp.prepare(keras.Model(inputs, head(h)))
     assert model.get_layer("head").compute_dtype == "float32"
     wide, big = model.get_layer("wide"), model.get_layer("big")
     wide.kernel.assign(wide.kernel * 300)  # |x| ~ 1e3 at the norm's input

@@ -42,7 +42,7 @@ def test_precision_report_is_data_and_a_table():
     assert report.row("logits").rule == planning.OUTPUT
     text = str(report)
     assert "mixed_bfloat16" in text.splitlines()[0]
-    assert "float32 inside (Keras)" in text and "Outputs: float32" in text
+    assert "float32 inside (Keras)" in text and "Outputs: bfloat16" in text
     with pytest.raises(KeyError, match="Paths: conv"):
         report.row("missing")
 
@@ -235,7 +235,7 @@ def _conv_net():
 
 
 def _segmentation_net():
-    """Its output is a convolution's, which stays float32 either way."""
+    """Its output is a convolution's: a convolution like the others."""
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, padding="same", name="body")(inputs)
     shared = keras.layers.Conv2D(4, 3, padding="same", name="shared")
@@ -253,8 +253,8 @@ def test_the_report_says_what_float32_convolutions_under_float16_cost():
     assert "kmp.rules.set_cpu_convolutions('memory')" in memory
     model = kmp.prepare(_segmentation_net())
     memory = kmp.precision_report(model, trace=False).memory
-    assert "2 convolution layers ('body', 'shared') compute" in memory
-    assert f": {8 * 8 * 3 + 2 * 8 * 8 * 4:,} values per sample" in memory
+    assert "3 convolution layers ('body', 'shared', 'head') compute" in memory
+    assert f": {8 * 8 * 3 + 3 * 8 * 8 * 4:,} values per sample" in memory
 
 
 def test_the_cpu_convolutions_switch_trades_the_speed_back_for_memory():
@@ -267,7 +267,7 @@ def test_the_cpu_convolutions_switch_trades_the_speed_back_for_memory():
     model = kmp.prepare(model)  # a prepared model, prepared again
     assert model.get_layer("body").compute_dtype == "float16"
     assert model.get_layer("shared").compute_dtype == "float16"
-    assert model.get_layer("head").compute_dtype == "float32"  # the output
+    assert model.get_layer("head").compute_dtype == "float16"  # output: a cast
     assert kmp.precision_report(model, trace=False).memory == ""
     with pytest.raises(ValueError, match="'speed'"):
         kmp.rules.set_cpu_convolutions("fast")

@@ -151,9 +151,15 @@ def overflowing_batches():
 
 
 def small_regression():
+    """Its head in float32: only the batch of 1e30 overflows, not a float16
+    bias gradient summed over a batch at the first scale."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
     )
 
 

@@ -18,6 +18,7 @@ from keras import ops
 import kmp
 
 MIXED = ["mixed_float16", "mixed_bfloat16"]
+COMPUTE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 
 
 # --- keras-io: examples/generative/vae.py (Keras 3) ----------------------------
@@ -295,7 +296,7 @@ def small_convnet(name, filters):
 
 
 @pytest.mark.parametrize("policy", MIXED)
-def test_compiling_a_distiller_keeps_the_teachers_float32_output(policy):
+def test_a_distillers_loss_gets_the_teacher_and_student_outputs_in_float32(policy):
     kmp.set_policy(policy)
     teacher = small_convnet("teacher", 16)
     student = small_convnet("student", 4)
@@ -307,6 +308,9 @@ def test_compiling_a_distiller_keeps_the_teachers_float32_output(policy):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     teacher.fit(x, y, epochs=1, verbose=0)
+    # Trained alone, its output goes to Keras's loss: a cast.
+    assert teacher.layers[-1].compute_dtype == COMPUTE[policy]
+    assert teacher.predict(x[:2], verbose=0).dtype == "float32"
     distiller = Distiller(student=student, teacher=teacher)
     kmp.compile(
         distiller,
@@ -315,17 +319,17 @@ def test_compiling_a_distiller_keeps_the_teachers_float32_output(policy):
         student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         distillation_loss_fn=keras.losses.KLDivergence(),
     )
-    assert teacher.layers[-1].compute_dtype == "float32"
-    assert teacher(x[:2]).dtype == teacher.predict(x[:2], verbose=0).dtype == "float32"
     history = distiller.fit(x, y, epochs=1, verbose=0)
-    # The distiller's call returns the student's output: float32 too, once
-    # fit has built the distiller.
+    # Its compute_loss receives the teacher's output and what its call
+    # returns (the student's): both float32, once fit has built it.
+    assert teacher.layers[-1].compute_dtype == "float32"
     assert student.layers[-1].compute_dtype == "float32"
+    assert teacher(x[:2]).dtype == teacher.predict(x[:2], verbose=0).dtype == "float32"
     assert np.isfinite(history.history["loss"][-1])
     rule = kmp.planning.decisions.plan(distiller).decision(
         "teacher/" + teacher.layers[-1].name
     )
-    assert rule.rule == kmp.planning.decisions.INNER_OUTPUT
+    assert rule.rule == kmp.planning.decisions.CALLED_OUTPUT
 
 
 # --- a model output that the model's own call also mixes with 16-bit tensors -------
@@ -343,6 +347,9 @@ class AuxiliaryLoss(keras.Model):
         # Raw TensorFlow (`-` on tensors): no dtype promotion.
         self.add_loss(tf.reduce_mean(tf.square(y - h[:, :1])))
         return y
+
+    def train_step(self, data):  # its own: kmp gives it float32 outputs
+        return super().train_step(data)
 
 
 def test_an_output_that_the_models_own_call_mixes_keeps_its_dtype():
@@ -473,10 +480,10 @@ def test_an_unbuilt_model_trained_first_by_train_on_batch_gets_its_output_rule()
     model = Classifier()
     kmp.compile(model, optimizer="sgd", loss="sparse_categorical_crossentropy")
     x, y = np.ones((8, 4), "float32"), np.zeros((8,), "int32")
-    assert model.predict(x, verbose=0).dtype == "bfloat16"  # before any fit
+    model.predict(x, verbose=0)  # before any fit: built, not planned again
+    assert model.head.compute_dtype == "bfloat16"
     model.train_on_batch(x, y)  # a generator, no shapes: built by its trace
-    assert model.head.compute_dtype == "float32"
-    # The step and predict were traced again with the float32 head.
+    assert model.head.compute_dtype == "float32"  # a softmax
     assert model.predict(x, verbose=0).dtype == "float32"
     model.train_on_batch(x, y)
     assert model.head.compute_dtype == "float32"
@@ -501,7 +508,8 @@ def test_a_model_with_several_inputs_is_planned_after_its_first_step():
     history = model.fit(x, np.ones((8, 1)), batch_size=4, epochs=2, verbose=0)
     # Its inputs are a tuple: kmp does not build it before the first step;
     # that step's trace builds it, and the plan is completed after it.
-    assert model.head.compute_dtype == "float32"
+    rule = kmp.planning.applied.applied(model.head).rule
+    assert rule == kmp.planning.decisions.OUTPUT
     assert kmp.precision_report(model).not_traced == ""
     assert np.isfinite(history.history["loss"]).all()
 
@@ -546,7 +554,12 @@ def test_a_model_held_but_not_called_keeps_its_policy():
     model(np.ones((2, 4)))
     model.ema(np.ones((2, 4)))
     kmp.prepare(model)
-    assert model.net.layers[-1].compute_dtype == "float32"  # the output
+    # Its call returns net's output, which Keras's loss casts.
+    assert model.net.layers[-1].compute_dtype == "bfloat16"
+    path = f"net/{model.net.layers[-1].name}"
+    assert kmp.planning.decisions.plan(model).decision(path).rule == (
+        kmp.planning.decisions.OUTPUT
+    )
     assert model.ema.layers[-1].compute_dtype == "bfloat16"
 
 

@@ -120,8 +120,8 @@ def precision_audit(
       own code (a custom attention, KerasHub's attention);
     * a float `keras.Input` whose token ids are rounded to 16-bit on their
       way to an `Embedding`;
-    * model outputs that stay 16-bit (a subclassed model, a large custom
-      output layer);
+    * model outputs that a model's own `train_step` or `compute_loss`
+      receives in 16-bit (a subclassed model's, a custom output layer's);
     * user-written layers that fail with a dtype error under the policy;
     * Dense/Conv/Embedding sizes that are not multiples of 8, which keeps
       GPU Tensor Cores from being used;
@@ -164,7 +164,8 @@ def precision_audit(
     >>> kmp.set_policy("mixed_float16")
     <Policy "mixed_float16": ...>
     >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(10),
-    ...                           keras.layers.Softmax(), keras.layers.Dense(4)])
+    ...                           keras.layers.Softmax(),
+    ...                           keras.layers.Dense(4, activation="sigmoid")])
     >>> sorted(kmp.debug.precision_audit(model).kinds())
     ['16-bit output', '16-bit softmax', 'size not a multiple of 8']
     >>> sorted(kmp.debug.precision_audit(kmp.prepare(model)).kinds())
@@ -199,7 +200,10 @@ def precision_audit(
             risks.extend(_layer_risks(d, traced.of(d.path)))
         if the_plan.base.is_16bit:
             risks.extend(_token_id_risks(model, the_plan))
-            if not any(r.kind == "16-bit output" for r in risks):
+            if traversal.training_code(model) and not any(
+                r.kind == "16-bit output" for r in risks
+            ):
+                # Where Keras's loss takes the outputs, it casts them.
                 risks.extend(_output_risks(model, traced))
         risks.extend(_mixed_dtype_risks(model, traced))
         if sample is not None:
@@ -489,7 +493,7 @@ def _layer_risks(d: planning.Decision, ops) -> list[Risk]:
         and not inside_attention  # named once, at the attention layer
         and not applied
     ):
-        if d.rule in (planning.OUTPUT, planning.CALLED_OUTPUT):
+        if d.rule in planning.FLOAT32_OUTPUTS:
             what = "output"
         elif d.rule == planning.ATTENTION_SCORES:
             what = "attention scores"
@@ -706,8 +710,9 @@ def _dim(embedding) -> int:
 
 
 def _output_risks(model, traced: tracing.Trace) -> list[Risk]:
-    """A model whose traced outputs are 16-bit where no layer-level risk
-    explains it (a subclassed model, an output produced by ops)."""
+    """A model with its own training code whose traced outputs are 16-bit
+    where no layer-level risk explains it (a subclassed model, an output
+    produced by ops): that code receives them so."""
     sixteen = [d for d in traced.outputs if d in _SIXTEEN]
     if not sixteen:
         return []

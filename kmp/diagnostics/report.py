@@ -338,11 +338,11 @@ def precision_report(
     layer  class  ...
     >>> [(r.path, r.compute_dtype, r.returns) for r in report]
     [('dense', 'bfloat16', 'bfloat16'), ('norm', 'bfloat16', 'bfloat16'),
-     ('head', 'float32', 'float32')]
+     ('head', 'bfloat16', 'bfloat16')]
     >>> report.row("norm").inside, report.row("head").rule
-    ('float32 inside (Keras)', 'default: model output in float32')
+    ('float32 inside (Keras)', 'default: model output cast to float32')
     >>> report.outputs
-    ('float32',)
+    ('bfloat16',)
 
     See also: `kmp.prepare`, `kmp.debug.precision_audit`.
     """
@@ -449,7 +449,7 @@ def _output_copy_note(model) -> str:
     dtype='float32')` after the last Dense), and that layer has fewer inputs
     than classes: the step keeps the 16-bit logits beside their float32
     copy, and folding the softmax into that layer (computed in float32 as
-    the output, it keeps a float32 copy of its inputs instead) keeps less.
+    a softmax, it keeps a float32 copy of its inputs instead) keeps less.
     `''` elsewhere, and for a head with as many inputs as classes or more,
     where the fold would cost more than it saves. Read from the model's
     graph (a Sequential or Functional model's own outputs; the first such
@@ -497,9 +497,10 @@ def _output_copy_note(model) -> str:
             f"{head.name!r}'s 16-bit logits, so the step keeps them beside "
             f"their float32 copy ({classes:,} 16-bit values per output "
             f"position, {2 * classes:,} bytes). Folding it into {head.name!r} "
-            f"(activation={name!r}), which kmp then computes in float32 as "
-            f"the model's output, or outputting {head.name!r}'s logits and "
-            "compiling the loss with from_logits=True, keeps only the float32 "
+            f"(activation={name!r}), which kmp then computes in float32, or "
+            f"outputting {head.name!r}'s logits with "
+            f"kmp.set_layer_policy('name:{head.name}', 'float32') and the "
+            "loss compiled with from_logits=True, keeps only the float32 "
             f"ones, for a float32 matmul in {head.name!r} and a float32 copy "
             f"of its {head_input.shape[-1]:,} inputs per position (fewer than "
             "its classes)."

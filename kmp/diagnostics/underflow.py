@@ -68,13 +68,13 @@ def gradient_underflow(
     >>> x, y = np.full((8, 4), 1e-3), np.zeros((8, 1))
     >>> model.get_layer("d").set_weights([np.full((4, 1), 1e-3), np.zeros(1)])
     >>> model.get_layer("head").set_weights([np.ones((1, 1)), np.zeros(1)])
-    >>> # 'head' computes in float32 (the model's output): 'd' is measured.
     >>> u = kmp.debug.gradient_underflow(model, x, y, scale=1.0)
     >>> print(u)  # doctest: +ELLIPSIS
     Gradient underflow at loss scale 1
     layer  class  computes  flushed  subnormal  headroom
     ...
     d      Dense  float16   80.0%    20.0%      8.19e+09x
+    head   Dense  float16   50.0%    50.0%      8.19e+09x
     (of each layer's nonzero gradient values: ...)
     'd' loses 80.0% of its gradient values to zero in float16 at loss scale 1; a scale
     up to 8.19e+09x larger keeps its largest gradient in range. ...

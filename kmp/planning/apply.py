@@ -9,10 +9,11 @@ import keras
 
 from kmp._base import warn as _warn
 from kmp.backend import tracing
+from kmp.planning import outputs
 from kmp.planning.applied import Applied
 from kmp.planning.applied import applied_to
-from kmp.planning.decisions import FLOAT32_OUTPUTS
 from kmp.planning.decisions import Plan
+from kmp.planning.decisions import changes_an_output
 from kmp.planning.decisions import plan
 from kmp.precision import quantization
 from kmp.precision import regularization
@@ -29,8 +30,8 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     not, through Keras's public `layer.dtype_policy` setter. Idempotent: a
     second call changes nothing. `kmp.compile` calls it for you. A layer
     keeps the dtype it returns wherever user code consumes it (see
-    `kmp.rules`); the layers that produce the model's outputs compute in
-    float32.
+    `kmp.rules`); the model's outputs are cast to float32 where they are
+    handed on (Keras's losses and metrics cast them; kmp's `predict` does).
 
     An attention layer that is not built yet (its projections are created
     at build time) is left as it is, with a warning: call `prepare` again
@@ -39,7 +40,10 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     Call it before compiling: where it changes a layer, `evaluate` and
     `predict` traced before (of the model and of the models inside it) are
     traced again at their next use, and `compile` traces `fit`'s step
-    again.
+    again. `predict` then returns float32 where the model computes 16-bit
+    outputs (Keras's own `compile` afterwards makes its own `predict`;
+    `kmp.compile` keeps the cast). Calling the model yourself returns its
+    compute dtype, as in Keras.
 
     Args:
         model: A `keras.Model` (or any `keras.layers.Layer`).
@@ -64,7 +68,9 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
     ...     keras.layers.Dense(4),
     ... ]))
     >>> [layer.compute_dtype for layer in model.layers]
-    ['float16', 'float16', 'float32', 'float32']
+    ['float16', 'float16', 'float32', 'float16']
+    >>> model.predict(np.ones((1, 8)), verbose=0).dtype  # the output, cast
+    dtype('float32')
 
     See also: `kmp.precision_report`, `kmp.set_layer_policy`, `kmp.compile`.
     """
@@ -74,7 +80,8 @@ def prepare(model: keras.layers.Layer) -> keras.layers.Layer:
             f"{model!r} (of type {type(model).__name__})."
         )
     if apply(plan(model)):  # plan raises before anything is changed
-        _forget_traced(model)
+        forget_traced(model)
+    outputs.install(model)
     return model
 
 
@@ -86,7 +93,7 @@ def float32_user_outputs(model: keras.layers.Layer) -> list[tuple[str, str]]:
     return [
         (d.path, the_plan.base.name)
         for d in the_plan
-        if d.rule in FLOAT32_OUTPUTS and d.site.user_code is not None
+        if changes_an_output(d) and d.site.user_code is not None
     ]
 
 
@@ -108,20 +115,25 @@ def complete(model: keras.layers.Layer) -> int:
     `predict`) are traced again at their next use."""
     changed = apply(plan(model))
     if changed:
-        _forget_traced(model)
+        forget_traced(model)
     return changed
 
 
-def _forget_traced(model: keras.layers.Layer) -> None:
+def forget_traced(model: keras.layers.Layer) -> None:
     """Has Keras trace `evaluate` and `predict` again at their next use, for
     `model` and every model inside it (a backbone's own `predict` run
     before): they were traced with the old policies. (`fit`'s step is
-    traced again by `kmp.compile`, or by Keras's `compile`.)"""
+    traced again by `kmp.compile`, or by Keras's `compile`.) `model`'s
+    `predict`, and that of a model inside it compiled by kmp, casts its
+    outputs to float32 (`kmp.planning.outputs`)."""
     models = [model] + [s.layer for s in traversal.walk(model)]
     for inner in models:
         if isinstance(inner, keras.Model):
+            casts = isinstance(inner.predict_function, outputs.Float32Predict)
             inner.test_function = None
             inner.predict_function = None
+            if casts or inner is model:
+                outputs.install(inner)
 
 
 def apply(the_plan: Plan) -> int:

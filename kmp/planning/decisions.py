@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import keras
 
@@ -36,10 +35,11 @@ logger = logging.getLogger("kmp")
 EXPLICIT = "explicit dtype="
 POLICY = "policy"
 INHERITED = "inherited"
-OUTPUT = "default: model output in float32"
+OUTPUT = "default: model output cast to float32"
+SIGMOID_OUTPUT = "default: sigmoid output in float32"
+STEP_OUTPUT = "default: output its training step receives, in float32"
 CALLED_OUTPUT = "default: output of a model user code calls, in float32"
-INNER_OUTPUT = "default: output of a model compiled by kmp, kept in float32"
-FLOAT32_OUTPUTS = (OUTPUT, CALLED_OUTPUT, INNER_OUTPUT)
+FLOAT32_OUTPUTS = (SIGMOID_OUTPUT, STEP_OUTPUT, CALLED_OUTPUT)
 NOT_FLOAT = "not a float layer: left as is"
 ATTENTION_SCORES = "default: attention scores in float32"
 TOKEN_IDS = "default: float32 inputs (token ids stay exact)"
@@ -201,9 +201,9 @@ def plan(
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="d"),
     ...                           keras.layers.Dense(2, name="head")])
     >>> [(d.path, d.policy.name) for d in kmp.planning.decisions.plan(model)]
-    [('d', 'mixed_bfloat16'), ('head', 'float32')]
+    [('d', 'mixed_bfloat16'), ('head', 'mixed_bfloat16')]
     >>> kmp.planning.decisions.plan(model).decision("head").rule
-    'default: model output in float32'
+    'default: model output cast to float32'
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(
@@ -221,11 +221,9 @@ def plan(
     unbuilt: list[str] = []
     decided: dict[int, policy_lib.Policy] = {id(model): base}
     forced: dict[int, tuple[policy_lib.Policy, str, str]] = {}
-    weights = _weight_count(model)
     scores_inside: frozenset[int] | None = None  # read once, when needed
     traced = _OneTrace(model)
     sites = _sites(model, base, traced)
-    inner_outputs = _inner_outputs(sites)
     inherited_at: dict[int, policy_lib.Policy] = {}
 
     for site in sites:
@@ -254,22 +252,12 @@ def plan(
             chosen, rule = user_rule.policy, user_rule.describe()
         elif id(layer) in forced:
             chosen, rule, note = forced[id(layer)]
-        elif (
-            id(layer) in inner_outputs
-            and inherited.is_16bit
-            and (site.casts_downstream or site.user_code is not None)
-        ):
-            # Compiling an outer model keeps what compiling this one decided.
-            chosen, rule = policy_lib.get(rules.FLOAT32), INNER_OUTPUT
-            note = f"an output of {inner_outputs[id(layer)]!r}"
         elif is_keras_attention(site.parent):
             # Keras's attention code consumes its sublayers: the scores rule
             # above decides them, or they stay as Keras made them.
             chosen, rule = inherited, INHERITED if inherited != base else POLICY
         else:
-            chosen, rule, note = _default(
-                site, kind, inherited, base, weights, model, traced
-            )
+            chosen, rule, note = _default(site, kind, inherited, base, model, traced)
         kept = _refused_float_part(layer, chosen)
         if kept is not None:
             chosen, rule, note = kept
@@ -387,7 +375,7 @@ def _checked_outputs(model, decisions, inherited_at, base, traced: _OneTrace):
     checked = [
         i
         for i, d in enumerate(decisions)
-        if d.rule in FLOAT32_OUTPUTS
+        if changes_an_output(d)
         and d.site.user_code is not None
         and (d.site.user_code is not model or runs_own_call(model))
     ]
@@ -411,6 +399,18 @@ def _checked_outputs(model, decisions, inherited_at, base, traced: _OneTrace):
     return result
 
 
+def changes_an_output(d: Decision) -> bool:
+    """Whether a default of kmp's computes a model output in float32 (its
+    output rules, or a kind's rule on a layer that produces one): the
+    dtype it returns changes."""
+    return (
+        d.site.model_output
+        and d.policy is not None
+        and d.policy.compute_dtype == rules.FLOAT32
+        and d.rule.startswith("default:")
+    )
+
+
 def _given_back(d: Decision, inherited, base, why: str) -> Decision:
     """`d` with its layer's own policy back, in place of a float32 output
     that user code cannot take (`why`)."""
@@ -420,23 +420,6 @@ def _given_back(d: Decision, inherited, base, why: str) -> Decision:
         rule=POLICY if inherited == base else INHERITED,
         note=f"an output user code receives, but {why}",
     )
-
-
-def _inner_outputs(sites) -> dict[int, str]:
-    """{id(layer): model name} for the layers, among a model's `sites`,
-    that kmp gave a float32 output to when it prepared the model nested in
-    it that they belong to (a teacher compiled with kmp.compile before its
-    distiller)."""
-    layers = {id(s.layer): s.layer for s in sites}
-    found: dict[int, str] = {}
-    for site in sites:
-        inner = site.layer
-        if traversal.is_graph(inner):
-            for key in traversal.output_producers(inner):
-                record = applied(layers[key]) if key in layers else None
-                if record is not None and record.rule in FLOAT32_OUTPUTS:
-                    found.setdefault(key, inner.name)
-    return found
 
 
 def _refused_float_part(layer, chosen):
@@ -458,22 +441,7 @@ def _refused_float_part(layer, chosen):
     )
 
 
-def _weight_count(layer) -> int:
-    return sum(
-        int(math.prod(w.shape))
-        for w in layer.weights
-        if keras.backend.is_float_dtype(w.dtype)
-    )
-
-
-# A custom layer that produces a model output computes in float32 whole (so
-# that its own code sees one dtype) only when it is a head: at most this
-# share of the model's weights. A larger one keeps its policy, and the audit
-# says how to add a float32 output.
-HEAD_SHARE = 0.1
-
-
-def _default(site, kind, inherited, base, model_weights, top, traced):
+def _default(site, kind, inherited, base, top, traced):
     """(policy, rule, note) from kmp's defaults for one layer."""
     plain = (inherited, POLICY if inherited == base else INHERITED, "")
     if not inherited.is_16bit:
@@ -481,18 +449,9 @@ def _default(site, kind, inherited, base, model_weights, top, traced):
     float32 = policy_lib.get(rules.FLOAT32)
     layer = site.layer
     if site.model_output:
-        if not site.casts_downstream:
-            return (*plain[:2], "a model output, but " + _where(site))
-        own_code = kind is None and traversal.children(layer)
-        share = _weight_count(layer) / model_weights if model_weights else 0.0
-        if own_code and share > HEAD_SHARE:
-            return (
-                *plain[:2],
-                f"a model output, but a layer with code of its own holding "
-                f"{share:.0%} of the weights: computing it all in float32 would "
-                "turn mixed precision off for it",
-            )
-        return float32, OUTPUT if site.output_of is top else CALLED_OUTPUT, ""
+        decided = _output(site, kind, inherited, plain, top)
+        if decided is not None:
+            return decided
     if site.reads_float_input and token_ids.rounds_token_ids(layer):
         # A float keras.Input carries token ids into an Embedding through a
         # layer that would cast them to 16-bit (rounding ids above 256 or
@@ -530,6 +489,43 @@ def _default(site, kind, inherited, base, model_weights, top, traced):
         # unrounded); its output projection keeps its output 16-bit.
         return float32, ATTENTION_SCORES, ""
     return plain
+
+
+def _output(site, kind, inherited, plain, top):
+    """(policy, rule, note) for a layer that produces a model output, or
+    None where its kind's rule decides (a softmax).
+
+    Where the output goes to Keras's loss, metrics and `predict` (a model
+    trained by Keras's own `train_step` and `compute_loss`: what its call
+    returns, from its own layers or from a model it holds), the layer keeps
+    its policy and the output is cast to float32 there: Keras's losses and
+    metrics cast what they receive, and kmp's `predict` casts what it
+    returns (`kmp.planning.outputs`). A sigmoid computes in float32: Keras's
+    binary crossentropy reads the logits it keeps, which a cast drops.
+    Where the output goes to code kmp does not run (a `train_step`, a model
+    that code calls, the caller of a layer), kmp cannot cast it: a Keras
+    layer computes in float32, a layer with code of its own keeps its
+    policy and the audit names it."""
+    float32 = policy_lib.get(rules.FLOAT32)
+    to_keras = isinstance(top, keras.Model) and not traversal.training_code(top)
+    cast = (inherited, OUTPUT, "")
+    if not site.casts_downstream:
+        if to_keras:  # the layer keeps its policy: only the output is cast
+            return cast
+        return (*plain[:2], "a model output, but " + _where(site))
+    if kinds.ends_in_sigmoid(site.layer):
+        return float32, SIGMOID_OUTPUT, ""
+    if to_keras:
+        if kind is None or kind[0].action == kinds.KEEP:
+            return cast
+        return None
+    if kind is None and traversal.children(site.layer):
+        return (
+            *plain[:2],
+            "a model output your training code receives, from a layer with "
+            "code of its own: kmp cannot cast it there",
+        )
+    return float32, STEP_OUTPUT if site.output_of is top else CALLED_OUTPUT, ""
 
 
 def is_keras_attention(layer) -> bool:

@@ -21,9 +21,8 @@ def set_cpu_convolutions(mode: str) -> None:
     * `'memory'`: convolutions compute in float16, as Keras computes them:
       half that memory, for a training step many times slower.
 
-    Either way a convolution that produces a model output computes in
-    float32 (kmp's output rule), and rules set with `kmp.set_layer_policy`
-    come first. `kmp.precision_report` says what `'speed'` costs a model.
+    Either way rules set with `kmp.set_layer_policy` come first.
+    `kmp.precision_report` says what `'speed'` costs a model.
 
     Args:
         mode: `'speed'` or `'memory'`.

@@ -288,6 +288,15 @@ def activation_name(layer: keras.layers.Layer) -> str | None:
     return name if name in _SOFTMAX_ACTIVATIONS else None
 
 
+def ends_in_sigmoid(layer: keras.layers.Layer) -> bool:
+    """Whether the layer's `activation` is a sigmoid (a binary classifier's
+    head: Keras's binary crossentropy reads the logits it keeps)."""
+    fn = getattr(layer, "activation", None)
+    return fn is not None and (
+        fn is keras.activations.sigmoid or getattr(fn, "__name__", None) == "sigmoid"
+    )
+
+
 def kind_of(layer: keras.layers.Layer) -> tuple[LayerKind, str] | None:
     """(kind, source) of `layer`: by class (`DEFAULTS` and registrations),
     or `SOFTMAX` for any layer whose `activation` is softmax or log-softmax."""

@@ -27,14 +27,17 @@ the next piece of user code:
   leaves them alone, and its report says "float32 inside (Keras)". So do
   the KerasHub normalizations kmp knows to compute in float32 inside
   (T5's computes in the compute dtype).
-* The model's outputs become float32 (every output, whatever its
-  activation): the layer that produces an output of a Functional or
-  Sequential model (directly, or through ops that keep its dtype) computes
-  in float32. That is what TensorFlow's guide asks of the last layer, and it
-  is what makes `predict` return float32 arrays. A custom layer with code
-  of its own computes in float32 whole when it is a head (at most 10% of
-  the weights); a larger one, and a subclassed model's outputs, keep their
-  dtype, and the audit says how to add a float32 output.
+* The model's outputs become float32. Where they go to Keras's loss,
+  metrics and `predict`, the output is cast there: the layer that produces
+  it keeps its policy (Keras's losses and metrics cast what they receive,
+  and kmp's `predict` casts what it returns, as TensorFlow's guide's
+  `Activation('linear', dtype='float32')` would). An output layer with a
+  sigmoid activation computes in float32: Keras's binary crossentropy
+  reads the logits it keeps, which a cast drops. Where the outputs go to a
+  model's own `train_step` or `compute_loss` (or to a model such code
+  calls), which kmp cannot cast in, the output layer computes in float32;
+  a custom layer with code of its own keeps its policy there, and the
+  audit says how to cast its output.
 * Attention (`MultiHeadAttention`, `GroupQueryAttention` and subclasses that
   keep Keras's attention code): the rule changes only sublayers whose
   outputs Keras's own attention code consumes with `keras.ops` that promote,
@@ -56,8 +59,7 @@ Resolution order, for each float layer (first match wins):
    against the layer's class name).
 4. kmp's defaults, which apply only where the policy in force computes in a
    16-bit dtype: the layer kinds kmp knows (the precision report says what
-   kmp does with each, and why), and float32 for the layers that produce
-   the model's outputs.
+   kmp does with each, and why), and the output rule above.
 5. The policy of the enclosing layer: the model's own policy at the top, and a
    container layer's decided policy for the layers inside it (so
    `kmp.set_layer_policy(MyBlock, "float32")` puts the whole block in float32).
@@ -207,7 +209,7 @@ def set_layer_policy(
     ...                           keras.layers.Dense(16, name="hidden"),
     ...                           keras.layers.Dense(16), keras.layers.Dense(4)])
     >>> [layer.compute_dtype for layer in kmp.prepare(model).layers]
-    ['float32', 'float16', 'float32']
+    ['float32', 'float16', 'float16']
 
     See also: `kmp.prepare`, `kmp.precision_report`.
     """

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 
 from kmp.internals import keras_private
+from kmp.planning import outputs
 from kmp.precision import traversal
 from kmp.scaling import registry
 from kmp.scaling.telemetry import LossScaleTelemetry
@@ -49,7 +50,8 @@ def attach(
     after `keras.models.load_model`: a train step already traced is traced
     again, with the telemetry, at the next `fit`. A `train_step` that
     returns its own dict, and a model whose state Keras has locked, get them
-    from kmp's train function, which `attach` sets.
+    from kmp's train function, which `attach` sets. `predict` then returns
+    the model's 16-bit outputs cast to float32, as after `kmp.compile`.
 
     The optimizers reported are the last named (by `kmp.compile`, which
     names the ones it wrapped, or as `optimizers` here), else
@@ -108,6 +110,7 @@ def attach(
             refused,
         )
     train_function.install(model, complete_plan, step_logs, metric_in_metrics)
+    outputs.install(model)  # its predict casts 16-bit outputs to float32
     if changed:  # a step traced before reports the optimizers it read then
         model.train_function.optimizers_changed()  # kmp's, installed above
     return model

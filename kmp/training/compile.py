@@ -147,7 +147,10 @@ def compile(
     if lost:
         _warn.warn(lost)
     the_plan = planning.plan(model)
-    plan_apply.apply(the_plan)
+    if plan_apply.apply(the_plan):
+        # The models inside traced evaluate and predict with the old policies
+        # (this model's own are made again by its compile).
+        plan_apply.forget_traced(model)
     float16 = the_plan.computes_in_float16
     # The fast-path settings follow the model being compiled (grappler reads
     # them when `fit` first runs), also when it was built in a policy_scope.

@@ -60,6 +60,7 @@ from kmp._base import warn as _warn
 from kmp.backend import fused
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
+from kmp.planning import outputs
 from kmp.scaling import applies
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
@@ -289,6 +290,7 @@ def retrace(model: keras.Model, changed: str | None = None) -> None:
     (kmp's train function only)."""
     model.test_function = None
     model.predict_function = None
+    outputs.install(model)
     function = getattr(model, "train_function", None)
     if isinstance(function, TrainFunction):
         function.retrace(changed)
