@@ -69,6 +69,9 @@ def test_fit_under_mirrored_strategy(policy, jit_compile, mirrored):
     assert np.isfinite(history.history["loss"]).all()
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert kmp.debug.verify_replicas(model.optimizer) == 2
+    # predict gathers the replicas' outputs, cast to float32.
+    predicted = model.predict(x[:10], batch_size=4, verbose=0)
+    assert predicted.dtype == np.float32 and predicted.shape == (10, 1)
 
 
 def test_a_nan_on_one_replica_skips_the_step_on_every_replica(mirrored):

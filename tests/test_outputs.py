@@ -1,5 +1,5 @@
 """A model's outputs cast to float32 where they are handed on: `predict`
-casts them (kmp.planning.outputs), Keras's losses cast them, and the layer
+casts them (kmp.backend.outputs), Keras's losses cast them, and the layer
 that produces them keeps its policy."""
 
 import keras

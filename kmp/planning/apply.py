@@ -8,8 +8,8 @@ import logging
 import keras
 
 from kmp._base import warn as _warn
+from kmp.backend import outputs
 from kmp.backend import tracing
-from kmp.planning import outputs
 from kmp.planning.applied import Applied
 from kmp.planning.applied import applied_to
 from kmp.planning.decisions import Plan
@@ -125,7 +125,7 @@ def forget_traced(model: keras.layers.Layer) -> None:
     before): they were traced with the old policies. (`fit`'s step is
     traced again by `kmp.compile`, or by Keras's `compile`.) `model`'s
     `predict`, and that of a model inside it compiled by kmp, casts its
-    outputs to float32 (`kmp.planning.outputs`)."""
+    outputs to float32 (`kmp.backend.outputs`)."""
     models = [model] + [s.layer for s in traversal.walk(model)]
     for inner in models:
         if isinstance(inner, keras.Model):

@@ -500,7 +500,7 @@ def _output(site, kind, inherited, plain, top):
     returns, from its own layers or from a model it holds), the layer keeps
     its policy and the output is cast to float32 there: Keras's losses and
     metrics cast what they receive, and kmp's `predict` casts what it
-    returns (`kmp.planning.outputs`). A sigmoid computes in float32: Keras's
+    returns (`kmp.backend.outputs`). A sigmoid computes in float32: Keras's
     binary crossentropy reads the logits it keeps, which a cast drops.
     Where the output goes to code kmp does not run (a `train_step`, a model
     that code calls, the caller of a layer), kmp cannot cast it: a Keras

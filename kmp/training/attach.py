@@ -10,8 +10,8 @@ from typing import Any
 
 import keras
 
+from kmp.backend import outputs
 from kmp.internals import keras_private
-from kmp.planning import outputs
 from kmp.precision import traversal
 from kmp.scaling import registry
 from kmp.scaling.telemetry import LossScaleTelemetry

@@ -58,9 +58,9 @@ import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.backend import fused
+from kmp.backend import outputs
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
-from kmp.planning import outputs
 from kmp.scaling import applies
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer

@@ -23,28 +23,37 @@ import weakref
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from kmp.precision import policy as policy_lib
 
 
 class Float32Predict:
     """`model.predict_function` as kmp sets it: Keras's own, made at the
-    first call, with 16-bit float outputs cast to float32."""
+    first call, with 16-bit float outputs cast to float32. Unless the model
+    runs eagerly, the cast is traced with Keras's function into one
+    `tf.function`: no op runs outside the graph."""
 
     def __init__(self, model: keras.Model):
         self._model = weakref.ref(model)
-        self._inner = None
+        self._function = None
 
     def __call__(self, data: Any) -> Any:
-        if self._inner is None:
+        if self._function is None:
             model = self._model()
             model.predict_function = None
             try:
                 model.make_predict_function()
-                self._inner = model.predict_function
+                inner = model.predict_function
             finally:
                 model.predict_function = self
-        return keras.tree.map_structure(_float32, self._inner(data))
+
+            def cast(data):
+                return keras.tree.map_structure(_float32, inner(data))
+
+            eager = model.run_eagerly
+            self._function = cast if eager else tf.function(cast, reduce_retracing=True)
+        return self._function(data)
 
 
 def _float32(x: Any) -> Any:
