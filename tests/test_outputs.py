@@ -85,8 +85,9 @@ def test_the_loss_receives_the_output_cast_and_trains_like_a_float32_head(policy
         assert model.get_layer("value").compute_dtype == (head or COMPUTE[policy])
         history = model.fit(x, y, batch_size=16, epochs=20, verbose=0)
         losses[head] = history.history["loss"][-1]
-    assert losses[None] < 0.05 * float(y.var())
-    assert losses[None] == pytest.approx(losses["float32"], rel=0.5, abs=0.02)
+    # Both fit the linear targets (variance 14.5) to about 1e-3 here.
+    assert losses[None] < 1e-3 * float(y.var())
+    assert losses[None] < 3 * losses["float32"] + 1e-3
 
 
 class ReturnsHeld(keras.Model):
