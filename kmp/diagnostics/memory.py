@@ -215,13 +215,26 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
 
     step.get_concrete_function(batch)  # traced before the measurement
     device = _device()
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as e:  # no count kept: "Cannot reset memory stats"
+        raise NoMemoryCount(
+            f"kmp.debug.estimate_memory measures a training step with "
+            f"TensorFlow's count of live tensors on {device}, which this "
+            f"process does not keep ({e}). On a CPU, TensorFlow counts with "
+            "its oneDNN allocator: unset TF_ENABLE_ONEDNN_OPTS=0, or estimate "
+            "on a GPU."
+        ) from e
     before = tf.config.experimental.get_memory_info(device)["current"]
     grads = step(batch)
     peak = tf.config.experimental.get_memory_info(device)["peak"]
     returned = _bytes(_held(grads))
     del grads
     return max(peak - before, returned)
+
+
+class NoMemoryCount(RuntimeError):
+    """TensorFlow keeps no count of live tensors on the device measured."""
 
 
 def estimate_memory(
@@ -244,6 +257,10 @@ def estimate_memory(
         A `MemoryEstimate` (`total_mb(batch_size)`, `largest_batch(budget)`).
         On a CPU, its step figures leave out tensors under 256 KiB
         (`uncounted_below_mb`).
+
+    Raises:
+        RuntimeError: where TensorFlow keeps no count of live tensors on
+            the device (a CPU with oneDNN turned off).
 
     Example:
 

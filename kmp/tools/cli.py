@@ -222,9 +222,15 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
     for name in names:
         with kmp.policy_scope(name):
             model, make = bench._load_model(args.model, seed=0)
-            estimate = memory.estimate_memory(
-                model, lambda n, make=make: make(n)[0], optimizer
-            )
+            try:
+                estimate = memory.estimate_memory(
+                    model, lambda n, make=make: make(n)[0], optimizer
+                )
+            except memory.NoMemoryCount as e:
+                # The other checks still run.
+                if not args.json:
+                    print(f"memory estimate: not measured. {e}")
+                return {"error": str(e)}
         results[name] = {
             **dataclasses.asdict(estimate),
             "batch_size": args.batch_size,
