@@ -41,6 +41,11 @@ class Float32Predict:
     def __call__(self, data: Any) -> Any:
         if self._function is None:
             model = self._model()
+            if model is None:
+                raise RuntimeError(
+                    "This predict function belongs to a model that no longer "
+                    "exists. Call predict on a live model."
+                )
             model.predict_function = None
             try:
                 model.make_predict_function()
@@ -51,8 +56,12 @@ class Float32Predict:
             def cast(data):
                 return keras.tree.map_structure(_float32, inner(data))
 
-            eager = model.run_eagerly
-            self._function = cast if eager else tf.function(cast, reduce_retracing=True)
+            if model.run_eagerly:
+                self._function = cast
+            else:
+                self._function = tf.function(
+                    cast, reduce_retracing=True, autograph=False
+                )
         return self._function(data)
 
 

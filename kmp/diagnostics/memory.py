@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -217,14 +218,10 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
     device = _device()
     try:
         tf.config.experimental.reset_memory_stats(device)
-    except ValueError as e:  # no count kept: "Cannot reset memory stats"
-        raise NoMemoryCount(
-            f"kmp.debug.estimate_memory measures a training step with "
-            f"TensorFlow's count of live tensors on {device}, which this "
-            f"process does not keep ({e}). On a CPU, TensorFlow counts with "
-            "its oneDNN allocator: unset TF_ENABLE_ONEDNN_OPTS=0, or estimate "
-            "on a GPU."
-        ) from e
+    except ValueError as e:
+        if "Cannot reset memory stats" not in str(e):
+            raise
+        raise NoMemoryCount(_no_count_message(device, str(e))) from e
     before = tf.config.experimental.get_memory_info(device)["current"]
     grads = step(batch)
     peak = tf.config.experimental.get_memory_info(device)["peak"]
@@ -235,6 +232,21 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
 
 class NoMemoryCount(RuntimeError):
     """TensorFlow keeps no count of live tensors on the device measured."""
+
+
+def _no_count_message(device: str, error: str) -> str:
+    """What is wrong, what TensorFlow said, and the fix where one is known."""
+    message = (
+        f"kmp.debug.estimate_memory measures a training step with TensorFlow's "
+        f"count of live tensors on {device}, and this process keeps none. "
+        f"TensorFlow said: {error}."
+    )
+    if device.startswith("CPU") and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
+        message += (
+            " On a CPU, TensorFlow counts with its oneDNN allocator, turned off "
+            "here. Received: TF_ENABLE_ONEDNN_OPTS=0. Unset it or set it to 1."
+        )
+    return message
 
 
 def estimate_memory(

@@ -227,10 +227,10 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
                     model, lambda n, make=make: make(n)[0], optimizer
                 )
             except memory.NoMemoryCount as e:
-                # The other checks still run.
+                # The same for every policy: said once; the other checks run.
                 if not args.json:
                     print(f"memory estimate: not measured. {e}")
-                return {"error": str(e)}
+                return {name: {"error": str(e)} for name in names}
         results[name] = {
             **dataclasses.asdict(estimate),
             "batch_size": args.batch_size,

@@ -58,7 +58,6 @@ import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.backend import fused
-from kmp.backend import outputs
 from kmp.backend import tracing
 from kmp.planning import apply as plan_apply
 from kmp.scaling import applies
@@ -288,9 +287,7 @@ def retrace(model: keras.Model, changed: str | None = None) -> None:
     functions made again when next used (a layer's policy changed, which a
     traced function does not see). `changed`: see `TrainFunction.retrace`
     (kmp's train function only)."""
-    model.test_function = None
-    model.predict_function = None
-    outputs.install(model)
+    plan_apply.forget_traced(model)  # and of the models inside it
     function = getattr(model, "train_function", None)
     if isinstance(function, TrainFunction):
         function.retrace(changed)
