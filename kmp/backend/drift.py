@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from kmp.backend import float32_pass
 from kmp.backend import tracing
+from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
 
 # The spacing of 16-bit numbers relative to their size (half of it is the
@@ -259,7 +260,7 @@ def layer_drift(model: keras.layers.Layer, x: Any) -> Drifts:
     """
     layers = [model] + [site.layer for site in traversal.walk(model)]
     sixteen = [str(layer.compute_dtype) for layer in layers]
-    dtype = next((d for d in ("float16", "bfloat16") if d in sixteen), "")
+    dtype = next((d for d in policy_lib.SIXTEEN_BIT if d in sixteen), "")
     if not dtype:
         return Drifts((), "")
     inputs = keras.tree.map_structure(tf.convert_to_tensor, x)

@@ -531,7 +531,7 @@ def float32_output_mixes(
         reached.update(t.ref() for t in op.outputs if t.dtype.name in _FLOATS)
     for op in takers:
         for t in op.inputs:
-            if t.ref() in reached or t.dtype.name not in ("float16", "bfloat16"):
+            if t.ref() in reached or t.dtype.name not in policy_lib.SIXTEEN_BIT:
                 continue
             if _python_number(t, op):
                 continue

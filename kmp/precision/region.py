@@ -16,6 +16,7 @@ from typing import TypeVar
 import keras
 
 from kmp.internals import keras_private
+from kmp.precision import policy as policy_lib
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,9 +29,6 @@ def _is_float_tensor(x: Any) -> bool:
     if not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
         return False
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))
-
-
-_SIXTEEN = ("float16", "bfloat16")
 
 
 def _cast(structure: Any, dtype: str, only: tuple[str, ...] | None = None) -> Any:
@@ -100,7 +98,7 @@ class _Float32Scope:
         @functools.wraps(fn)
         def in_float32(*args: Any, **kwargs: Any) -> Any:
             dtypes = _float_dtypes((args, kwargs))
-            sixteen = [d for d in dtypes if d in _SIXTEEN]
+            sixteen = [d for d in dtypes if d in policy_lib.SIXTEEN_BIT]
             if output_dtype is not None:
                 target = output_dtype
             elif sixteen and len(dtypes) > 1:
@@ -114,7 +112,7 @@ class _Float32Scope:
             else:
                 # Nothing came in 16-bit: nothing to give back.
                 target = sixteen[0] if sixteen else None
-            args, kwargs = _cast((args, kwargs), "float32", only=_SIXTEEN)
+            args, kwargs = _cast((args, kwargs), "float32", only=policy_lib.SIXTEEN_BIT)
             with _Float32Scope(None):
                 outputs = fn(*args, **kwargs)
             return outputs if target is None else _cast(outputs, target)
