@@ -674,3 +674,44 @@ def test_a_monitor_listed_before_the_healer_records_a_move_its_last_step_ran():
     assert [h.step for h in healer.heals] == [2]
     assert [r.healed for r in monitor.records if r.healed] == [(str(healer.heals[0]),)]
     assert [r.step for r in monitor.records] == [1, 2, 3]
+
+
+@keras.saving.register_keras_serializable("kmp_tests")
+class FFNBlock(keras.layers.Layer):
+    """ffn_model's layers, created by a layer's own code with its dtype."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(64, "relu", name="up", dtype=self.dtype_policy)
+        self.norm = keras.layers.LayerNormalization(
+            name="norm", dtype=self.dtype_policy
+        )
+        self.down = keras.layers.Dense(16, name="down", dtype=self.dtype_policy)
+
+    def build(self, shape):
+        self.up.build(shape)
+        self.norm.build((*shape[:-1], 64))
+        self.down.build((*shape[:-1], 64))
+
+    def call(self, x):
+        return self.down(self.norm(self.up(x)))
+
+
+def test_a_move_inside_a_layers_own_sublayers_is_saved(tmp_path):
+    """The healer moves a layer that a custom layer's code creates: the
+    custom layer's saved dtype keeps the move, so it loads moved."""
+    x, y = data(128)
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    block = FFNBlock(name="block")
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(block(inputs)))
+    block.up.kernel.assign(block.up.kernel * 1e4)
+    kmp.compile(model, optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    healer = kmp.callbacks.OverflowHealer(verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[healer])
+    assert [h.layer for h in healer.heals] == ["block/up"]
+    model.save(tmp_path / "healed.keras")
+    loaded = keras.models.load_model(tmp_path / "healed.keras").get_layer("block")
+    assert loaded.up.compute_dtype == "float32"
+    assert loaded.norm.compute_dtype == loaded.down.compute_dtype == "float16"

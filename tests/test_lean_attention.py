@@ -14,6 +14,7 @@ from tolerances import relative_error
 
 import kmp
 from kmp.internals import keras_private
+from kmp.precision import quantization
 
 # One 16-bit rounding of a value of magnitude one.
 STEP = {"mixed_bfloat16": 2**-7, "mixed_float16": 2**-10, "float32": 2**-23}
@@ -284,7 +285,7 @@ def test_lean_after_prepare_keeps_the_policies_kmp_set():
     kmp.set_policy("mixed_float16")
     model = kmp.prepare(_transformer())
     before = {
-        layer.path: layer.dtype_policy.name
+        layer.path: quantization.float_part(layer)
         for layer in keras_private.sublayers(
             model.get_layer("attention"), include_self=True
         )
@@ -295,7 +296,7 @@ def test_lean_after_prepare_keeps_the_policies_kmp_set():
     expected = model(x)
     lean = kmp.prepare(kmp.layers.lean(model))
     after = {
-        layer.path: layer.dtype_policy.name
+        layer.path: quantization.float_part(layer)
         for layer in keras_private.sublayers(
             lean.get_layer("attention"), include_self=True
         )

@@ -61,6 +61,7 @@ from kmp.backend import probe as probe_lib
 from kmp.backend import tracing
 from kmp.diagnostics import forward_watch
 from kmp.planning import applied as applied_lib
+from kmp.planning import saved
 from kmp.precision import quantization
 from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
@@ -362,6 +363,8 @@ class OverflowHealer(keras.callbacks.Callback):
             restored.append((heal, moved))
             if self.verbose:
                 print(f"kmp: {heal.layer!r} moved to {heal.dtype} again ({heal})")
+        if restored:
+            saved.write(self.model)
         if refused:
             self._write()  # without the moves left out
         return restored
@@ -531,6 +534,7 @@ class OverflowHealer(keras.callbacks.Callback):
             sublayers=len(unit) > 1,
         )
         _move(unit, self._target, str(heal))
+        saved.write(self.model)  # so that model.save keeps the move
         self.heals.append(heal)
         # The next step (traced again, with the probe) measures what the
         # layer's activations reach after the move.

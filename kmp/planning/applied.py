@@ -94,5 +94,5 @@ def carry_over(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
     for before, after in zip(olds, news, strict=True):
         record = applied_to.get(before)
         if record is not None:
-            after.dtype_policy = before.dtype_policy
+            after.dtype_policy = quantization.policy_of(before)
             applied_to[after] = record

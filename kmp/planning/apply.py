@@ -10,6 +10,7 @@ import keras
 from kmp._base import warn as _warn
 from kmp.backend import outputs
 from kmp.backend import tracing
+from kmp.planning import saved
 from kmp.planning.applied import Applied
 from kmp.planning.applied import applied_to
 from kmp.planning.decisions import Plan
@@ -150,6 +151,7 @@ def apply(the_plan: Plan) -> int:
         applied_to[d.layer] = Applied(d.policy.keras_name, d.rule)
         if d.policy.is_16bit:
             regularization.compute_in_float32(d.layer)
+    saved.write(model)
     for rule in the_plan.unmatched:
         _warn.warn(
             rules.unmatched_message(

@@ -136,8 +136,13 @@ def is_float_layer(layer: keras.layers.Layer) -> bool:
     return keras.backend.is_float_dtype(layer.compute_dtype)
 
 
-def _is_explicit(layer: keras.layers.Layer, base: policy_lib.Policy) -> bool:
+def is_explicit(layer: keras.layers.Layer, base: policy_lib.Policy) -> bool:
+    """Whether `layer`'s policy is the user's own setting: one that differs
+    from the model's, that kmp did not set, and that no `DTypePolicyMap`
+    gives it (a saved plan's, or KerasHub's)."""
     if applied(layer) is not None:
+        return False
+    if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
         return False
     return quantization.float_part(layer) != base.keras_name
 
@@ -245,7 +250,7 @@ def plan(
         note = ""
         # Layers on the model's policy move with it (to `policy` when one is
         # given); a layer with its own dtype= keeps it.
-        explicit = id(layer) not in forced and _is_explicit(layer, actual_base)
+        explicit = id(layer) not in forced and is_explicit(layer, actual_base)
         if explicit:
             chosen, rule = policy_lib.get(quantization.float_policy(layer)), EXPLICIT
         elif user_rule:

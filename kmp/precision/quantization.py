@@ -49,10 +49,11 @@ _REFUSED = {
 
 def policy_of(layer: keras.layers.Layer) -> keras.DTypePolicy:
     """The dtype policy that applies to `layer`: its own, or its entry in
-    the `DTypePolicyMap` it holds."""
+    the `DTypePolicyMap` it holds (the map's default for a layer Keras gave
+    no path, as Keras reads it)."""
     policy = layer.dtype_policy
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and layer.path:
-        return policy[layer.path]
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
     return policy
 
 
