@@ -17,6 +17,7 @@ from kmp.backend.finite import all_finite
 from kmp.diagnostics.doctor import doctor
 from kmp.diagnostics.report import precision_report
 from kmp.planning.apply import prepare
+from kmp.planning.export import export
 from kmp.precision.policy import Policy
 from kmp.precision.policy import PolicyError
 from kmp.precision.policy import get_policy
@@ -45,6 +46,7 @@ __all__ = [
     "compile",
     "debug",
     "doctor",
+    "export",
     "float32_scope",
     "get_policy",
     "hardware",

@@ -2,6 +2,8 @@
 the policies kmp gives the layers that a layer's own code creates, and
 `keras.models.load_model` gives them back, with kmp or without it."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -86,49 +88,60 @@ import numpy as np, keras
 assert "keras_hub" not in sys.modules
 import keras_hub  # registers KerasHub's classes, as a KerasHub user's script does
 
-attention = keras.saving.load_model(sys.argv[1], compile=False)
-lm = keras.saving.load_model(sys.argv[2], compile=False)
-prediction = attention.predict(np.load(sys.argv[3]), verbose=0)
-np.save(sys.argv[4], np.asarray(prediction, "float32"))
-tokens = {"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4))}
-np.save(sys.argv[5], np.asarray(lm.predict(tokens, verbose=0), "float32"))
-print(json.dumps({
-    "kmp": "kmp" in sys.modules,
-    "attention": {
-        layer.name: layer.compute_dtype
-        for layer in attention.get_layer("attention")._flatten_layers()
-    },
-    "lm": {
-        layer.name: layer.compute_dtype
-        for layer in lm.backbone._flatten_layers()
-    },
-}))
+TOKENS = {"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4))}
+found = {}
+for name, path, x, y in json.loads(sys.argv[1]):
+    model = keras.saving.load_model(path, compile=False)
+    prediction = model.predict(TOKENS if x is None else np.load(x), verbose=0)
+    np.save(y, np.asarray(prediction, "float32"))
+    found[name] = {
+        "layers": {l.name: l.compute_dtype for l in model._flatten_layers()},
+        "weights": {w.path: w.dtype for w in model.weights},
+    }
+found["kmp"] = "kmp" in sys.modules
+print(json.dumps(found))
 """
+TOKENS = {"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4))}
 
 
-def test_plain_keras_loads_the_precision_kmp_trained_with(tmp_path):
-    """A float16 attention layer's float32 scores (query, key, softmax) and
-    16-bit value and output, and a rule inside a KerasHub backbone, load
-    without kmp. Dropout, which Keras never builds and so never gives a
-    path, takes its attention layer's float32."""
+def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
+    """Loaded without kmp: a float16 attention layer's float32 scores
+    (query, key, softmax) beside its 16-bit value and output; a rule inside
+    a KerasHub backbone; and kmp.export's 16-bit models of both. Dropout,
+    which Keras never builds and so never gives a path, takes its attention
+    layer's float32."""
     kmp.set_policy("mixed_float16")
     model = kmp.compile(attention_model(), optimizer="adam", loss="mse")
     model.fit(X, np.zeros((2, 4, 3)), verbose=0)
     model.save(tmp_path / "attention.keras")
+    kmp.export(model, tmp_path / "attention16.keras", "float16")
+    expected = model.predict(X, verbose=0)
+    np.save(tmp_path / "x.npy", X)
 
     kmp.set_policy("mixed_bfloat16")
     kmp.set_layer_policy("name:feedforward_gate_dense", "float32")
     lm = kmp.prepare(llama())
     lm.save(tmp_path / "lm.keras")
-    tokens = {"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4))}
-    lm_expected = lm.predict(tokens, verbose=0)
-    np.save(tmp_path / "x.npy", X)
+    kmp.export(lm, tmp_path / "lm16.keras")
+    lm_expected = lm.predict(TOKENS, verbose=0)
 
-    paths = [tmp_path / name for name in ("attention.keras", "lm.keras", "x.npy")]
-    paths += [tmp_path / "y.npy", tmp_path / "lm_y.npy"]
-    loaded = in_fresh_process(_LOAD, *map(str, paths))
+    jobs = [
+        (name, str(tmp_path / f"{name}.keras"), x, str(tmp_path / f"{name}.npy"))
+        for name, x in [
+            ("attention", str(tmp_path / "x.npy")),
+            ("attention16", str(tmp_path / "x.npy")),
+            ("lm", None),
+            ("lm16", None),
+        ]
+    ]
+    loaded = in_fresh_process(_LOAD, json.dumps(jobs))
     assert not loaded["kmp"]
-    assert loaded["attention"] == {
+    attention = {"attention", "query", "key", "value", "softmax", "dropout"}
+    assert {
+        name: dtype
+        for name, dtype in loaded["attention"]["layers"].items()
+        if name in attention | {"attention_output"}
+    } == {
         "attention": "float32",
         "query": "float32",
         "key": "float32",
@@ -137,16 +150,34 @@ def test_plain_keras_loads_the_precision_kmp_trained_with(tmp_path):
         "dropout": "float32",  # float16 in training: see the docstring
         "attention_output": "float16",
     }
-    assert loaded["lm"]["feedforward_gate_dense"] == "float32"
-    assert loaded["lm"]["feedforward_intermediate_dense"] == "bfloat16"
-    assert loaded["lm"]["attention_softmax"] == "float32"  # KerasHub's own
     np.testing.assert_allclose(
-        np.load(tmp_path / "y.npy"),
-        model.predict(X, verbose=0),
+        np.load(tmp_path / "attention.npy"),
+        expected,
         rtol=2**-9,  # the float32 dropout moves one float16 rounding
         atol=1e-3,
     )
-    np.testing.assert_array_equal(np.load(tmp_path / "lm_y.npy"), lm_expected)
+    lm_layers = loaded["lm"]["layers"]
+    assert lm_layers["feedforward_gate_dense"] == "float32"
+    assert lm_layers["feedforward_intermediate_dense"] == "bfloat16"
+    assert lm_layers["attention_softmax"] == "float32"  # KerasHub's own
+    np.testing.assert_array_equal(np.load(tmp_path / "lm.npy"), lm_expected)
+
+    # The exports: 16-bit weights, float32 where the plan computes in it.
+    weights = loaded["attention16"]["weights"]
+    assert weights["attention/query/kernel"] == "float32"
+    assert weights["attention/value/kernel"] == "float16"
+    assert weights["head/kernel"] == "float16"
+    np.testing.assert_allclose(
+        np.load(tmp_path / "attention16.npy"), expected, rtol=2**-8, atol=2e-3
+    )
+    weights = loaded["lm16"]["weights"]
+    gate = [path for path in weights if "feedforward_gate_dense" in path]
+    assert gate and {weights[path] for path in gate} == {"float32"}
+    assert set(weights.values()) == {"bfloat16", "float32"}
+    assert weights["token_embedding/embeddings"] == "bfloat16"
+    np.testing.assert_allclose(
+        np.load(tmp_path / "lm16.npy"), lm_expected, rtol=2**-6, atol=0.02
+    )
 
 
 # Loaded, before kmp.prepare: the layers Keras gives no path take the

@@ -1,0 +1,187 @@
+"""`kmp.export`: a trained model written for 16-bit inference.
+
+Training keeps float32 variables; inference needs none of them. The export
+is the model rebuilt from its config with every 16-bit policy made pure
+16-bit (`mixed_bfloat16` becomes `bfloat16`: 16-bit variables too), and
+every float32 layer of the plan left float32. Its weights are the trained
+ones, cast. It has no optimizer, and plain Keras and TensorFlow load it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmp.backend import outputs
+from kmp.backend import ranges as ranges_lib
+from kmp.planning import applied
+from kmp.precision import policy as policy_lib
+
+_FLOAT16_MAX = 65504.0
+# The Keras names of the policies that compute in 16 bits.
+_SIXTEEN = {"mixed_float16", "mixed_bfloat16", "float16", "bfloat16"}
+
+
+def export(
+    model: keras.Model,
+    path: str | os.PathLike,
+    dtype: str = "bfloat16",
+    *,
+    sample: Any = None,
+) -> keras.Model:
+    """Writes `model` for inference in 16 bits, without kmp or an optimizer.
+
+    Every layer that computes in 16 bits gets the pure 16-bit policy
+    `dtype`, so its variables are 16-bit too: half the memory of the
+    trained model's float32 ones. Every layer the plan keeps in float32
+    (a softmax, attention scores under float16, your own rules) keeps its
+    float32 variables. Predictions match the trained model's within 16-bit
+    rounding. `dtype="float16"` is refused, with the layers named, where a
+    weight or an activation would pass float16's largest value (65504).
+
+    A sublayer that a layer's own code creates without passing its `dtype`
+    on takes `dtype` itself (see Saving and loading).
+
+    Args:
+        model: A built Keras model.
+        path: Where to write it. A path ending in `.keras` gets a Keras file
+            (`keras.models.load_model` reads it). Any other path gets a
+            TensorFlow SavedModel folder, through Keras's `model.export`,
+            for TensorFlow Serving.
+        dtype: `"bfloat16"` or `"float16"`.
+        sample: A batch of inputs. A float16 export of a model that did
+            not train in float16 needs one: kmp runs it to check that no
+            activation passes float16's range.
+
+    Returns:
+        The exported model, as written. Its `predict` returns float32.
+
+    Raises:
+        TypeError: if `model` is not a Keras model.
+        ValueError: for another `dtype`, a model that is not built, a
+            float16 export without `sample` where one is needed, or weights
+            or activations beyond float16's range.
+
+    Example:
+
+    >>> kmp.set_policy("mixed_bfloat16")
+    <Policy "mixed_bfloat16": ...>
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    >>> exported = kmp.export(model, path)
+    >>> exported.layers[0].kernel.dtype
+    'bfloat16'
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "kmp.export expects a Keras model. Received: "
+            f"{model!r} (of type {type(model).__name__})."
+        )
+    if dtype not in policy_lib.SIXTEEN_BIT:
+        raise ValueError(
+            f"kmp.export writes a 16-bit model: dtype must be 'bfloat16' or "
+            f"'float16'. Received: dtype={dtype!r}."
+        )
+    if not model.built:
+        raise ValueError(
+            f"kmp.export needs the weights of {model.name!r}, which is not "
+            "built. Call it on a batch (or train it) first."
+        )
+    trained_in_float16 = applied.base_policy(model).compute_dtype == "float16"
+    if dtype == "float16" and sample is None and not trained_in_float16:
+        raise ValueError(
+            f"kmp.export cannot tell whether the activations of "
+            f"{model.name!r} fit float16: it computes in "
+            f"{applied.base_policy(model).compute_dtype}, and float16's "
+            "largest value is 65504. Pass sample=<a batch of inputs>, or "
+            "export with dtype='bfloat16'."
+        )
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)  # no optimizer, no loss
+    with policy_lib.policy_scope(dtype):
+        exported = keras.saving.deserialize_keras_object(_in_16_bits(config, dtype))
+    _copy_weights(model, exported)
+    if dtype == "float16":
+        _check_float16(exported, sample)
+    if os.fspath(path).endswith(".keras"):
+        exported.save(path)
+    else:
+        exported.export(path, verbose=False)
+    outputs.install(exported)
+    return exported
+
+
+def _in_16_bits(config: Any, dtype: str) -> Any:
+    """`config` with every 16-bit policy in it (a layer's, a map's entry,
+    a quantized policy's float part) replaced by the pure policy `dtype`."""
+    if isinstance(config, list):
+        return [_in_16_bits(item, dtype) for item in config]
+    if not isinstance(config, dict):
+        return config
+    config = {key: _in_16_bits(value, dtype) for key, value in config.items()}
+    inner = config.get("config")
+    if isinstance(inner, dict) and str(config.get("class_name", "")).endswith(
+        "DTypePolicy"
+    ):
+        for key in ("name", "source_name"):
+            if isinstance(inner.get(key), str) and inner[key] in _SIXTEEN:
+                inner[key] = dtype
+    if isinstance(config.get("dtype"), str) and config["dtype"] in _SIXTEEN:
+        # a policy saved by its name
+        config["dtype"] = dtype
+    return config
+
+
+def _copy_weights(model: keras.Model, exported: keras.Model) -> None:
+    """Assigns `model`'s weights to `exported`'s, in Keras's order, each
+    checked by its name and shape."""
+    pairs = list(zip(exported.weights, model.weights, strict=False))
+    differ = [
+        (target.path, source.path)
+        for target, source in pairs
+        if (target.name, tuple(target.shape)) != (source.name, tuple(source.shape))
+    ]
+    if len(exported.weights) != len(model.weights) or differ:
+        raise ValueError(
+            f"kmp.export rebuilt {model.name!r} from its config, and the "
+            f"weights differ: {len(exported.weights)} against "
+            f"{len(model.weights)}{', first ' + str(differ[0]) if differ else ''}."
+            " Its config does not describe it: check its get_config, and "
+            "that its layers build from their config."
+        )
+    for target, source in pairs:
+        target.assign(keras.ops.cast(source, target.dtype))
+
+
+def _check_float16(exported: keras.Model, sample: Any) -> None:
+    """Raises where a float16 weight or activation of `exported` passes
+    float16's range, naming the layers."""
+    beyond = [
+        f"{weight.path!r}"
+        for weight in exported.weights
+        if weight.dtype == "float16"
+        and not np.isfinite(keras.ops.convert_to_numpy(weight)).all()
+    ]
+    if sample is not None:
+        ranges = ranges_lib.activation_ranges(exported, sample, float16_only=True)
+        if ranges.error:
+            raise ValueError(
+                f"kmp.export could not run {exported.name!r} on `sample` to "
+                f"check its float16 range: {ranges.error}"
+            )
+        beyond += [
+            f"{r.path!r} ({r.op} reaches {r.max_abs:.3g})"
+            for r in ranges.above(_FLOAT16_MAX)
+        ]
+    if beyond:
+        raise ValueError(
+            "kmp.export refused a float16 model: values pass float16's "
+            f"largest, 65504, in {', '.join(beyond)}. Export with "
+            "dtype='bfloat16', or keep those layers in float32 "
+            "(kmp.set_layer_policy('name:<layer>', 'float32'), then "
+            "kmp.prepare(model)) and export again."
+        )
