@@ -151,3 +151,28 @@ def test_a_path_without_keras_suffix_gets_a_saved_model_tensorflow_serves(tmp_pa
         rtol=8 * ROUNDING["bfloat16"],
         atol=0.02,
     )
+
+
+def test_kmp_layers_are_exported_as_the_keras_layers_they_extend(tmp_path):
+    """kmp.layers.lean's layers keep less for the backward pass; the export,
+    for inference, holds Keras's own classes, which plain Keras loads."""
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))
+    h = keras.layers.LayerNormalization(name="norm")(inputs)
+    h = keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
+    model = kmp.layers.lean(keras.Model(inputs, keras.layers.Dense(3)(h)))
+    assert type(model.get_layer("norm")) is kmp.layers.LayerNormalization
+    path = tmp_path / "model.keras"
+    exported = kmp.export(model, path)
+    with zipfile.ZipFile(path) as saved:
+        assert "kmp" not in saved.read("config.json").decode()
+    assert type(exported.get_layer("norm")) is keras.layers.LayerNormalization
+    assert type(exported.get_layer("attention")) is keras.layers.MultiHeadAttention
+    x = np.random.default_rng(2).normal(size=(2, 4, 8)).astype("float32")
+    np.testing.assert_allclose(
+        exported.predict(x, verbose=0),
+        model.predict(x, verbose=0),
+        rtol=8 * ROUNDING["bfloat16"],
+        atol=0.02,
+    )

@@ -3,8 +3,10 @@
 Training keeps float32 variables; inference needs none of them. The export
 is the model rebuilt from its config with every 16-bit policy made pure
 16-bit (`mixed_bfloat16` becomes `bfloat16`: 16-bit variables too), and
-every float32 layer of the plan left float32. Its weights are the trained
-ones, cast. It has no optimizer, and plain Keras and TensorFlow load it.
+every float32 layer of the plan left float32. kmp's own layer classes
+(`kmp.layers`, which keep less for the backward pass) become the Keras
+classes they extend. Its weights are the trained ones, cast. It has no
+optimizer, and plain Keras and TensorFlow load it.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def export(
     rounding. `dtype="float16"` is refused, with the layers named, where a
     weight or an activation would pass float16's largest value (65504).
 
-    A sublayer that a layer's own code creates without passing its `dtype`
-    on takes `dtype` itself (see Saving and loading).
+    kmp's layers (`kmp.layers.lean`) are written as the Keras layers they
+    extend, which compute the same forward pass. A sublayer that a layer's
+    own code creates without passing its `dtype` on takes `dtype` itself
+    (see Saving and loading).
 
     Args:
         model: A built Keras model.
@@ -103,7 +107,7 @@ def export(
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)  # no optimizer, no loss
     with policy_lib.policy_scope(dtype):
-        exported = keras.saving.deserialize_keras_object(_in_16_bits(config, dtype))
+        exported = keras.saving.deserialize_keras_object(_for_inference(config, dtype))
     _copy_weights(model, exported)
     if dtype == "float16":
         _check_float16(exported, sample)
@@ -115,14 +119,18 @@ def export(
     return exported
 
 
-def _in_16_bits(config: Any, dtype: str) -> Any:
+def _for_inference(config: Any, dtype: str) -> Any:
     """`config` with every 16-bit policy in it (a layer's, a map's entry,
-    a quantized policy's float part) replaced by the pure policy `dtype`."""
+    a quantized policy's float part) replaced by the pure policy `dtype`,
+    and kmp's layer classes by the Keras classes they extend."""
     if isinstance(config, list):
-        return [_in_16_bits(item, dtype) for item in config]
+        return [_for_inference(item, dtype) for item in config]
     if not isinstance(config, dict):
         return config
-    config = {key: _in_16_bits(value, dtype) for key, value in config.items()}
+    config = {key: _for_inference(value, dtype) for key, value in config.items()}
+    if _extends_keras(config):
+        # kmp.layers keep less for the backward pass: inference has none.
+        config["module"], config["registered_name"] = "keras.layers", None
     inner = config.get("config")
     if isinstance(inner, dict) and str(config.get("class_name", "")).endswith(
         "DTypePolicy"
@@ -134,6 +142,17 @@ def _in_16_bits(config: Any, dtype: str) -> Any:
         # a policy saved by its name
         config["dtype"] = dtype
     return config
+
+
+def _extends_keras(config: dict) -> bool:
+    """Whether `config` is of a kmp layer class that extends the Keras layer
+    of the same name (`kmp.layers.LayerNormalization`), with its config."""
+    registered = config.get("registered_name")
+    if not (isinstance(registered, str) and registered.startswith("kmp>")):
+        return False
+    cls = keras.saving.get_registered_object(registered)
+    base = getattr(keras.layers, str(config.get("class_name")), None)
+    return isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base)
 
 
 def _copy_weights(model: keras.Model, exported: keras.Model) -> None:
