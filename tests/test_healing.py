@@ -696,6 +696,9 @@ class FFNBlock(keras.layers.Layer):
     def call(self, x):
         return self.down(self.norm(self.up(x)))
 
+    def get_config(self):  # its own: Keras's automatic one holds no map
+        return super().get_config()
+
 
 def test_a_move_inside_a_layers_own_sublayers_is_saved(tmp_path):
     """The healer moves a layer that a custom layer's code creates: the

@@ -43,6 +43,9 @@ class Block(keras.layers.Layer):
     def call(self, x):
         return self.attention(x, x)
 
+    def get_config(self):  # its own: Keras's automatic one holds no map
+        return super().get_config()
+
 
 def block_model():
     keras.utils.set_random_seed(0)
@@ -95,8 +98,13 @@ for name, path, x, y in json.loads(sys.argv[1]):
     prediction = model.predict(TOKENS if x is None else np.load(x), verbose=0)
     np.save(y, np.asarray(prediction, "float32"))
     found[name] = {
-        "layers": {l.name: l.compute_dtype for l in model._flatten_layers()},
+        "layers": {
+            l.name: l.compute_dtype
+            for l in model._flatten_layers()
+            if not isinstance(l, keras.layers.InputLayer)
+        },
         "weights": {w.path: w.dtype for w in model.weights},
+        "policy": model.dtype_policy.name,
     }
 found["kmp"] = "kmp" in sys.modules
 print(json.dumps(found))
@@ -106,8 +114,9 @@ TOKENS = {"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4))
 
 def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
     """Loaded without kmp: a float16 attention layer's float32 scores
-    (query, key, softmax) beside its 16-bit value and output; a rule inside
-    a KerasHub backbone; and kmp.export's 16-bit models of both. Dropout,
+    (query, key, softmax) beside its 16-bit value and output; a KerasHub
+    model, whose task keeps its backbone's plain policy (Keras's compile
+    reads its name); and kmp.export's 16-bit models of both. Dropout,
     which Keras never builds and so never gives a path, takes its attention
     layer's float32."""
     kmp.set_policy("mixed_float16")
@@ -119,8 +128,12 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
     np.save(tmp_path / "x.npy", X)
 
     kmp.set_policy("mixed_bfloat16")
-    kmp.set_layer_policy("name:feedforward_gate_dense", "float32")
     lm = kmp.prepare(llama())
+    lm_layers = {
+        layer.name: layer.compute_dtype
+        for layer in lm._flatten_layers()
+        if not isinstance(layer, keras.layers.InputLayer)
+    }
     lm.save(tmp_path / "lm.keras")
     kmp.export(lm, tmp_path / "lm16.keras")
     lm_expected = lm.predict(TOKENS, verbose=0)
@@ -156,10 +169,9 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
         rtol=2**-9,  # the float32 dropout moves one float16 rounding
         atol=1e-3,
     )
-    lm_layers = loaded["lm"]["layers"]
-    assert lm_layers["feedforward_gate_dense"] == "float32"
-    assert lm_layers["feedforward_intermediate_dense"] == "bfloat16"
+    assert loaded["lm"]["layers"] == lm_layers
     assert lm_layers["attention_softmax"] == "float32"  # KerasHub's own
+    assert loaded["lm"]["policy"] == "mixed_bfloat16"
     np.testing.assert_array_equal(np.load(tmp_path / "lm.npy"), lm_expected)
 
     # The exports: 16-bit weights, float32 where the plan computes in it.
@@ -170,11 +182,7 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
     np.testing.assert_allclose(
         np.load(tmp_path / "attention16.npy"), expected, rtol=2**-8, atol=2e-3
     )
-    weights = loaded["lm16"]["weights"]
-    gate = [path for path in weights if "feedforward_gate_dense" in path]
-    assert gate and {weights[path] for path in gate} == {"float32"}
-    assert set(weights.values()) == {"bfloat16", "float32"}
-    assert weights["token_embedding/embeddings"] == "bfloat16"
+    assert set(loaded["lm16"]["weights"].values()) == {"bfloat16"}
     np.testing.assert_allclose(
         np.load(tmp_path / "lm16.npy"), lm_expected, rtol=2**-6, atol=0.02
     )
@@ -238,3 +246,72 @@ def test_the_saved_map_follows_the_plan():
     assert model.dtype_policy.name == "mixed_float16"
     assert attention.compute_dtype == "float32"
     assert policies(attention)["value"] == "mixed_float16"
+
+
+@keras.saving.register_keras_serializable("kmp_tests")
+class Dense2(keras.layers.Layer):
+    """A custom layer whose sublayers keep its policy: it needs no map."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="dense", dtype=self.dtype_policy)
+
+    def build(self, shape):
+        self.dense.build(shape)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return super().get_config()
+
+
+@keras.saving.register_keras_serializable("kmp_tests")
+class AutoBlock(Block):
+    """Block with Keras's automatic config (no get_config of its own)."""
+
+    get_config = keras.layers.Layer.get_config
+
+
+def test_each_layer_that_needs_a_map_gets_one_and_loads_saves_again(tmp_path):
+    """A layer that needs no map leaves the next one's map written (both
+    hold Keras's global policy object); a layer with Keras's automatic
+    config gets none (loaded with one, it could not be saved again); a
+    loaded model saves again."""
+    kmp.set_policy("mixed_bfloat16")
+    kmp.set_layer_policy("name:attention/value", "float32")
+    kmp.set_layer_policy("name:auto/attention/value", "float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))
+    h = Dense2(name="plain")(inputs)
+    attention = keras.layers.MultiHeadAttention(2, 4, name="attention")
+    h = attention(h, h)
+    auto = AutoBlock(name="auto")
+    model = kmp.prepare(keras.Model(inputs, auto(h)))
+    assert model.get_layer("plain").dtype_policy is keras.config.dtype_policy()
+    assert saved.entries(model.get_layer("plain")) == {}
+    assert saved.entries(attention) == {"(?:.*/)?attention/value": "float32"}
+    assert saved.entries(auto) == {}
+    assert auto.attention.value_dense.compute_dtype == "float32"  # live
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    loaded.save(tmp_path / "again.keras")
+    again = keras.saving.load_model(tmp_path / "again.keras")
+    assert again.get_layer("attention").value_dense.compute_dtype == "float32"
+
+
+def test_a_model_inside_the_model_keeps_a_plain_policy(tmp_path):
+    """A KerasHub task takes its backbone's policy when it is loaded, and
+    Keras's compile reads it by name to scale the loss under float16: a
+    backbone with a rule inside keeps its plain policy (the rule is not
+    saved; kmp.compile applies it again)."""
+    kmp.set_policy("mixed_float16")
+    kmp.set_layer_policy("name:feedforward_gate_dense", "float32")
+    lm = kmp.prepare(llama())
+    gate = lm.backbone.get_layer("transformer_layer_0")._feedforward_gate_dense
+    assert gate.compute_dtype == "float32"
+    assert lm.backbone.dtype_policy.name == "mixed_float16"
+    lm.save(tmp_path / "lm.keras")
+    loaded = keras.saving.load_model(tmp_path / "lm.keras")
+    assert loaded.dtype_policy.name == "mixed_float16"
+    assert isinstance(loaded.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -5,8 +5,8 @@ methods kmp's attention rule compares, whether an attention layer uses
 flash attention or returns its scores, an optimizer's variables, the
 backend variable inside a `keras.Variable`, a variable's path, the stack of
 Keras's name scopes, the scope a mixed layer reads its variables in, whether
-a model is of Keras's own graph classes, and a container's own trainable
-flag.
+a model is of Keras's own graph classes, whether a layer defines its own
+config, and a container's own trainable flag.
 
 Each accessor raises `InternalsChanged` where the installed Keras lacks what
 it reads. An attribute every object of a kind has is checked on the object
@@ -225,6 +225,18 @@ def is_plain_graph_model(model: Any) -> bool:
     Keras's own class (`keras.Model(inputs, outputs)`), not of a subclass:
     what Keras's `clone_model` rebuilds as the class it was."""
     return type(model) is keras.Sequential or type(model) is type(_probe_model())
+
+
+def has_own_config(layer: keras.layers.Layer) -> bool:
+    """Whether `layer`'s class defines `get_config` (Keras's own layers do),
+    rather than relying on the config Keras makes from its constructor's
+    plain arguments (`python_utils.default`, what Keras itself checks)."""
+    is_default = _private(
+        "keras.src.utils.python_utils",
+        "is_default",
+        "kmp cannot tell a layer's own config from Keras's automatic one",
+    )
+    return not is_default(layer.get_config)
 
 
 def set_own_trainable(layer: keras.layers.Layer, value: bool) -> None:

@@ -38,11 +38,14 @@ def export(
 
     Every layer that computes in 16 bits gets the pure 16-bit policy
     `dtype`, so its variables are 16-bit too: half the memory of the
-    trained model's float32 ones. Every layer the plan keeps in float32
-    (a softmax, attention scores under float16, your own rules) keeps its
+    trained model's float32 ones. Every layer that computes in float32
+    (by kmp's rules for the policy it trained in, or your own) keeps its
     float32 variables. Predictions match the trained model's within 16-bit
     rounding. `dtype="float16"` is refused, with the layers named, where a
     weight or an activation would pass float16's largest value (65504).
+    A model trained in bfloat16 and exported in float16 keeps its
+    bfloat16 plan: kmp's float16 rules (attention scores in float32) are
+    for training in float16.
 
     kmp's layers (`kmp.layers.lean`) are written as the Keras layers they
     extend, which compute the same forward pass. A sublayer that a layer's
@@ -64,7 +67,8 @@ def export(
         The exported model, as written. Its `predict` returns float32.
 
     Raises:
-        TypeError: if `model` is not a Keras model.
+        TypeError: if `model` is not a Keras model; Keras's own, where a
+            class in it is not registered for serialization.
         ValueError: for another `dtype`, a model that is not built, a
             float16 export without `sample` where one is needed, or weights
             or activations beyond float16's range.

@@ -15,9 +15,12 @@ and it has an entry for each sublayer whose policy differs.
 An entry's key is the sublayer's path from the holder on, below any
 prefix (a Sequential model's name, which loading drops). Keras gives no
 path to a sublayer it never builds (a `Softmax` or a `Dropout`): such a
-sublayer takes the map's default, the holder's own policy, on load. The
-model kmp is given keeps its plain policy, as Keras's `compile` reads its
-name.
+sublayer takes the map's default, the holder's own policy, on load.
+
+Models keep their plain policies: Keras's `compile` reads a model's policy
+by its name, and a KerasHub task takes its backbone's. So does a layer
+with no `get_config` of its own: Keras's automatic config holds plain
+values only.
 
 A layer reads a policy from a map only where a saved plan (or KerasHub's
 own map) put it there, so kmp's plan takes such a policy for the plan's,
@@ -58,28 +61,35 @@ def write(model: keras.layers.Layer) -> None:
     whose code creates them (see the module docstring). Live layers keep
     the policies they have."""
     base = applied.base_policy(model)
-    written: set[int] = set()
-    # The model itself keeps its plain policy: Keras's `compile` reads its
-    # name to wrap the optimizer in its `LossScaleOptimizer` under float16.
-    top = not isinstance(model, keras.Model)
-    for holder in keras_private.sublayers(model, include_self=top):
+    written: set[int] = set()  # the maps written, shared ones once
+    for holder in keras_private.sublayers(model, include_self=True):
         inside = [
             layer
             for layer in keras_private.sublayers(holder)
             if not isinstance(layer, keras.layers.InputLayer)
         ]
         held = holder.dtype_policy
-        if keras_private.is_plain_graph_model(holder) or not inside:
+        if not inside or not _saves_a_map(holder) or id(held) in written:
             continue
         if not holder.path or decisions.is_explicit(holder, base):
             continue  # not built, or the user's: it stays plain
-        if id(held) in written:
-            continue  # a map shared from above (KerasHub's) is written once
         if isinstance(held, _Map):
             _update(holder, held, inside)
         else:
             _create(holder, held, inside)
-        written.add(id(holder.dtype_policy))
+        if isinstance(holder.dtype_policy, _Map):
+            written.add(id(holder.dtype_policy))
+
+
+def _saves_a_map(holder: keras.layers.Layer) -> bool:
+    """Whether `holder`'s config can carry a map for its sublayers. Not a
+    model's: Keras's `compile` reads a model's policy by its name to wrap
+    the optimizer under float16, and a KerasHub task takes its backbone's.
+    Not a Functional or Sequential model's config, which lists its layers.
+    Not Keras's automatic config of a layer with no `get_config`, which
+    holds only plain values: a layer loaded with a map could not be saved
+    again."""
+    return not isinstance(holder, keras.Model) and keras_private.has_own_config(holder)
 
 
 def entries(holder: keras.layers.Layer) -> dict[str, str]:
