@@ -63,7 +63,10 @@ def test_a_bfloat16_export_holds_16bit_weights_and_predicts_as_trained(tmp_path)
         predicted, expected, rtol=8 * ROUNDING["bfloat16"], atol=0.02
     )
     np.testing.assert_allclose(
-        np.asarray(loaded.predict(x, verbose=0), "float32"), predicted, rtol=1e-6
+        np.asarray(loaded.predict(x, verbose=0), "float32"),
+        predicted,
+        rtol=2**-8,
+        atol=1e-6,
     )
 
 

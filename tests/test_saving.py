@@ -98,8 +98,9 @@ for name, path, x, y in json.loads(sys.argv[1]):
     prediction = model.predict(TOKENS if x is None else np.load(x), verbose=0)
     np.save(y, np.asarray(prediction, "float32"))
     found[name] = {
+        # By path; a layer Keras gives no path, by its name.
         "layers": {
-            l.name: l.compute_dtype
+            l.path or l.name: l.compute_dtype
             for l in model._flatten_layers()
             if not isinstance(l, keras.layers.InputLayer)
         },
@@ -129,10 +130,12 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
 
     kmp.set_policy("mixed_bfloat16")
     lm = kmp.prepare(llama())
+    # By path: the automatic names of layers with none ('dropout_2') differ
+    # between processes.
     lm_layers = {
-        layer.name: layer.compute_dtype
+        layer.path: layer.compute_dtype
         for layer in lm._flatten_layers()
-        if not isinstance(layer, keras.layers.InputLayer)
+        if layer.path and not isinstance(layer, keras.layers.InputLayer)
     }
     lm.save(tmp_path / "lm.keras")
     kmp.export(lm, tmp_path / "lm16.keras")
@@ -149,19 +152,19 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
     ]
     loaded = in_fresh_process(_LOAD, json.dumps(jobs))
     assert not loaded["kmp"]
-    attention = {"attention", "query", "key", "value", "softmax", "dropout"}
+    # The first softmax and dropout of the fresh process: named as such.
     assert {
         name: dtype
         for name, dtype in loaded["attention"]["layers"].items()
-        if name in attention | {"attention_output"}
+        if name.startswith("attention") or name in ("softmax", "dropout")
     } == {
         "attention": "float32",
-        "query": "float32",
-        "key": "float32",
-        "value": "float16",
+        "attention/query": "float32",
+        "attention/key": "float32",
+        "attention/value": "float16",
         "softmax": "float32",
         "dropout": "float32",  # float16 in training: see the docstring
-        "attention_output": "float16",
+        "attention/attention_output": "float16",
     }
     np.testing.assert_allclose(
         np.load(tmp_path / "attention.npy"),
@@ -169,10 +172,13 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
         rtol=2**-9,  # the float32 dropout moves one float16 rounding
         atol=1e-3,
     )
-    assert loaded["lm"]["layers"] == lm_layers
-    assert lm_layers["attention_softmax"] == "float32"  # KerasHub's own
+    assert {path: loaded["lm"]["layers"].get(path) for path in lm_layers} == lm_layers
+    assert loaded["lm"]["layers"]["attention_softmax"] == "float32"  # KerasHub's
     assert loaded["lm"]["policy"] == "mixed_bfloat16"
-    np.testing.assert_array_equal(np.load(tmp_path / "lm.npy"), lm_expected)
+    # Another process may pick other kernels: one bfloat16 rounding apart.
+    np.testing.assert_allclose(
+        np.load(tmp_path / "lm.npy"), lm_expected, rtol=2**-8, atol=1e-5
+    )
 
     # The exports: 16-bit weights, float32 where the plan computes in it.
     weights = loaded["attention16"]["weights"]
@@ -216,7 +222,9 @@ def test_a_model_loaded_with_kmp_plans_as_it_trained(build, tmp_path):
     assert policies(attention) == dict(trained, **LOADED[build.__name__])
     kmp.prepare(loaded)
     assert policies(attention) == trained
-    np.testing.assert_array_equal(loaded.predict(X, verbose=0), expected)
+    np.testing.assert_allclose(
+        loaded.predict(X, verbose=0), expected, rtol=2**-11, atol=1e-6
+    )
 
 
 def test_the_saved_map_follows_the_plan():
