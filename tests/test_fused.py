@@ -2,9 +2,6 @@
 where kmp says it is, refused where it cannot run."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -379,32 +376,6 @@ def test_your_own_optimizer_class_is_fused_only_when_asked(monkeypatch):
     model = kmp.compile(mlp(), optimizer=MySGD(0.01), loss="mse")
     model.fit(*data(32), verbose=0)
     assert not model.optimizer._fused_apply._functions
-
-
-def test_a_saved_bfloat16_model_loads_without_kmp_for_serving(tmp_path):
-    """kmp.compile's pass-through is a kmp class in the saved compile config:
-    where kmp is not installed (serving), load with compile=False."""
-    kmp.set_policy("mixed_bfloat16")
-    model = kmp.compile(mlp(), optimizer="adam", loss="mse")
-    model.fit(*data(32), verbose=0)
-    path = tmp_path / "m.keras"
-    model.save(path)
-    x = data(4)[0]
-    expected = np.asarray(model.predict(x, verbose=0), "float32")
-    np.save(tmp_path / "x.npy", x)
-    code = (
-        "import sys, numpy as np, keras\n"
-        f"m = keras.saving.load_model({str(path)!r}, compile=False)\n"
-        f"y = m.predict(np.load({str(tmp_path / 'x.npy')!r}), verbose=0)\n"
-        "assert 'kmp' not in sys.modules\n"
-        f"np.save({str(tmp_path / 'y.npy')!r}, np.asarray(y, 'float32'))\n"
-    )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
 
 
 def test_a_learning_rate_set_between_steps_reaches_the_fused_update():
