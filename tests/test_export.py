@@ -179,3 +179,28 @@ def test_kmp_layers_are_exported_as_the_keras_layers_they_extend(tmp_path):
         rtol=8 * ROUNDING["bfloat16"],
         atol=0.02,
     )
+
+
+def test_a_convolution_in_float32_for_cpu_speed_alone_is_exported_16bit(tmp_path):
+    """kmp computes float16 convolutions in float32 on a CPU, for speed: the
+    export, for wherever it is served, computes them in float16. Their
+    activations were float32 in training, so a sample checks their range."""
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = kmp.prepare(keras.Model(inputs, keras.layers.Dense(2, name="head")(h)))
+    assert model.get_layer("conv").compute_dtype == "float32"  # no GPU here
+    path = tmp_path / "model.keras"
+    with pytest.raises(ValueError, match="1 layer computed in float32 on this"):
+        kmp.export(model, path, "float16")
+    x = np.random.default_rng(3).normal(size=(2, 8, 8, 3)).astype("float32")
+    exported = kmp.export(model, path, "float16", sample=x)
+    assert exported.get_layer("conv").kernel.dtype == "float16"
+    np.testing.assert_allclose(
+        exported.predict(x, verbose=0),
+        model.predict(x, verbose=0),
+        rtol=8 * ROUNDING["float16"],
+        atol=1e-3,
+    )

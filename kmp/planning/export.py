@@ -20,6 +20,7 @@ import numpy as np
 from kmp.backend import outputs
 from kmp.backend import ranges as ranges_lib
 from kmp.planning import applied
+from kmp.planning import decisions
 from kmp.precision import policy as policy_lib
 
 _FLOAT16_MAX = 65504.0
@@ -45,7 +46,8 @@ def export(
     weight or an activation would pass float16's largest value (65504).
     A model trained in bfloat16 and exported in float16 keeps its
     bfloat16 plan: kmp's float16 rules (attention scores in float32) are
-    for training in float16.
+    for training in float16. A layer computed in float32 for speed on this
+    machine alone (a float16 convolution on a CPU) is exported in `dtype`.
 
     kmp's layers (`kmp.layers.lean`) are written as the Keras layers they
     extend, which compute the same forward pass. A sublayer that a layer's
@@ -59,9 +61,10 @@ def export(
             TensorFlow SavedModel folder, through Keras's `model.export`,
             for TensorFlow Serving.
         dtype: `"bfloat16"` or `"float16"`.
-        sample: A batch of inputs. A float16 export of a model that did
-            not train in float16 needs one: kmp runs it to check that no
-            activation passes float16's range.
+        sample: A batch of inputs. A float16 export needs one where the
+            model did not compute in float16 (another policy, or float32
+            convolutions on a CPU): kmp runs it to check that no activation
+            passes float16's range.
 
     Returns:
         The exported model, as written. Its `predict` returns float32.
@@ -99,22 +102,36 @@ def export(
             f"kmp.export needs the weights of {model.name!r}, which is not "
             "built. Call it on a batch (or train it) first."
         )
-    trained_in_float16 = applied.base_policy(model).compute_dtype == "float16"
-    if dtype == "float16" and sample is None and not trained_in_float16:
+    # Layers in float32 for speed on this machine alone (float16
+    # convolutions on a CPU) are exported in 16 bits, as their policy says.
+    for_speed = {
+        d.layer.name
+        for d in decisions.plan(model)
+        if d.rule == decisions.CPU_CONVOLUTIONS
+    }
+    computes = applied.base_policy(model).compute_dtype
+    if dtype == "float16" and sample is None and (computes != "float16" or for_speed):
+        where = (
+            f"it computes in {computes}"
+            if computes != "float16"
+            else f"{len(for_speed)} layer{'s' * (len(for_speed) > 1)} computed in "
+            "float32 on this machine"
+        )
         raise ValueError(
-            f"kmp.export cannot tell whether the activations of "
-            f"{model.name!r} fit float16: it computes in "
-            f"{applied.base_policy(model).compute_dtype}, and float16's "
-            "largest value is 65504. Pass sample=<a batch of inputs>, or "
-            "export with dtype='bfloat16'."
+            f"kmp.export cannot tell whether the activations of {model.name!r} "
+            f"fit float16: {where}, and float16's largest value is 65504. Pass "
+            "sample=<a batch of inputs>, or export with dtype='bfloat16'."
         )
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)  # no optimizer, no loss
-    with policy_lib.policy_scope(dtype):
-        exported = keras.saving.deserialize_keras_object(_for_inference(config, dtype))
-    _copy_weights(model, exported)
+    exported = _rebuilt(model, config, dtype, for_speed)
     if dtype == "float16":
-        _check_float16(exported, sample)
+        # The activations are read in a float32 pass (kmp.backend.ranges),
+        # which needs float32 variables: on a mixed twin of the export.
+        twin = None
+        if sample is not None:
+            twin = _rebuilt(model, config, "mixed_float16", for_speed)
+        _check_float16(exported, twin, sample)
     if os.fspath(path).endswith(".keras"):
         exported.save(path)
     else:
@@ -123,15 +140,21 @@ def export(
     return exported
 
 
-def _for_inference(config: Any, dtype: str) -> Any:
+def _for_inference(config: Any, dtype: str, for_speed: set[str]) -> Any:
     """`config` with every 16-bit policy in it (a layer's, a map's entry,
-    a quantized policy's float part) replaced by the pure policy `dtype`,
-    and kmp's layer classes by the Keras classes they extend."""
+    a quantized policy's float part) replaced by the policy `dtype`, as are
+    the policies of the layers named in `for_speed`, and kmp's layer
+    classes by the Keras classes they extend."""
     if isinstance(config, list):
-        return [_for_inference(item, dtype) for item in config]
+        return [_for_inference(item, dtype, for_speed) for item in config]
     if not isinstance(config, dict):
         return config
-    config = {key: _for_inference(value, dtype) for key, value in config.items()}
+    config = {
+        key: _for_inference(value, dtype, for_speed) for key, value in config.items()
+    }
+    inner = config.get("config")
+    if isinstance(inner, dict) and inner.get("name") in for_speed:
+        inner["dtype"] = keras.dtype_policies.serialize(keras.DTypePolicy(dtype))
     if _extends_keras(config):
         # kmp.layers keep less for the backward pass: inference has none.
         config["module"], config["registered_name"] = "keras.layers", None
@@ -180,9 +203,20 @@ def _copy_weights(model: keras.Model, exported: keras.Model) -> None:
         target.assign(keras.ops.cast(source, target.dtype))
 
 
-def _check_float16(exported: keras.Model, sample: Any) -> None:
-    """Raises where a float16 weight or activation of `exported` passes
-    float16's range, naming the layers."""
+def _rebuilt(model: keras.Model, config: dict, policy: str, for_speed) -> keras.Model:
+    """`model` built again from `config` with its 16-bit layers in `policy`,
+    holding `model`'s weights."""
+    with policy_lib.policy_scope(policy):
+        rebuilt = keras.saving.deserialize_keras_object(
+            _for_inference(config, policy, for_speed)
+        )
+    _copy_weights(model, rebuilt)
+    return rebuilt
+
+
+def _check_float16(exported: keras.Model, twin: keras.Model | None, sample) -> None:
+    """Raises where a float16 weight of `exported`, or an activation of its
+    mixed `twin` on `sample`, passes float16's range, naming them."""
     beyond = [
         f"{weight.path!r}"
         for weight in exported.weights
@@ -190,7 +224,7 @@ def _check_float16(exported: keras.Model, sample: Any) -> None:
         and not np.isfinite(keras.ops.convert_to_numpy(weight)).all()
     ]
     if sample is not None:
-        ranges = ranges_lib.activation_ranges(exported, sample, float16_only=True)
+        ranges = ranges_lib.activation_ranges(twin, sample, float16_only=True)
         if ranges.error:
             raise ValueError(
                 f"kmp.export could not run {exported.name!r} on `sample` to "
