@@ -177,7 +177,7 @@ def test_plain_keras_loads_what_kmp_saves_and_exports(tmp_path):
     assert loaded["lm"]["policy"] == "mixed_bfloat16"
     # Another process may pick other kernels: one bfloat16 rounding apart.
     np.testing.assert_allclose(
-        np.load(tmp_path / "lm.npy"), lm_expected, rtol=2**-8, atol=1e-5
+        np.load(tmp_path / "lm.npy"), lm_expected, rtol=2**-7, atol=1e-4
     )
 
     # The exports: 16-bit weights, float32 where the plan computes in it.

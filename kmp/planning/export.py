@@ -51,8 +51,9 @@ def export(
 
     kmp's layers (`kmp.layers.lean`) are written as the Keras layers they
     extend, which compute the same forward pass. A sublayer that a layer's
-    own code creates without passing its `dtype` on takes `dtype` itself
-    (see Saving and loading).
+    own code creates without passing its `dtype` on takes the global policy
+    where the file is loaded (float32, unless the loading code sets
+    another): the model `kmp.export` returns is built so too.
 
     Args:
         model: A built Keras model.
@@ -72,9 +73,10 @@ def export(
     Raises:
         TypeError: if `model` is not a Keras model; Keras's own, where a
             class in it is not registered for serialization.
-        ValueError: for another `dtype`, a model that is not built, a
-            float16 export without `sample` where one is needed, or weights
-            or activations beyond float16's range.
+        ValueError: for another `dtype`, a model that is not built or has
+            no layer computing in 16 bits, a float16 export without `sample`
+            where one is needed, or weights or activations beyond float16's
+            range.
 
     Example:
 
@@ -104,12 +106,18 @@ def export(
         )
     # Layers in float32 for speed on this machine alone (float16
     # convolutions on a CPU) are exported in 16 bits, as their policy says.
-    for_speed = {
-        d.layer.name
-        for d in decisions.plan(model)
-        if d.rule == decisions.CPU_CONVOLUTIONS
-    }
+    the_plan = decisions.plan(model)
+    for_speed = {d.path for d in the_plan if d.rule == decisions.CPU_CONVOLUTIONS}
     computes = applied.base_policy(model).compute_dtype
+    if not for_speed and not any(
+        d.layer.compute_dtype in policy_lib.SIXTEEN_BIT for d in the_plan
+    ):
+        raise ValueError(
+            f"kmp.export writes in 16 bits the layers that compute in 16 "
+            f"bits, and no layer of {model.name!r} does (its policy is "
+            f"{applied.base_policy(model).name}). Build and train it under a "
+            "mixed policy (kmp.set_policy('mixed_bfloat16')) first."
+        )
     if dtype == "float16" and sample is None and (computes != "float16" or for_speed):
         where = (
             f"it computes in {computes}"
@@ -140,21 +148,36 @@ def export(
     return exported
 
 
-def _for_inference(config: Any, dtype: str, for_speed: set[str]) -> Any:
+def _for_inference(
+    config: Any, dtype: str, for_speed: set[str], prefix: str | None = None
+) -> Any:
     """`config` with every 16-bit policy in it (a layer's, a map's entry,
     a quantized policy's float part) replaced by the policy `dtype`, as are
-    the policies of the layers named in `for_speed`, and kmp's layer
-    classes by the Keras classes they extend."""
+    the policies of the layers at the paths in `for_speed`, and kmp's layer
+    classes by the Keras classes they extend. `prefix`: the path above
+    `config`'s layers (None at the model itself, whose name is in none)."""
     if isinstance(config, list):
-        return [_for_inference(item, dtype, for_speed) for item in config]
+        return [_for_inference(item, dtype, for_speed, prefix) for item in config]
     if not isinstance(config, dict):
         return config
-    config = {
-        key: _for_inference(value, dtype, for_speed) for key, value in config.items()
-    }
     inner = config.get("config")
-    if isinstance(inner, dict) and inner.get("name") in for_speed:
-        inner["dtype"] = keras.dtype_policies.serialize(keras.DTypePolicy(dtype))
+    path, below = None, prefix
+    if (
+        "class_name" in config
+        and isinstance(inner, dict)
+        and isinstance(inner.get("name"), str)
+        and not str(config["class_name"]).endswith("DTypePolicy")
+    ):  # a layer's or a model's
+        path = None if prefix is None else prefix + inner["name"]
+        below = "" if prefix is None else path + "/"
+    config = {
+        key: _for_inference(value, dtype, for_speed, below)
+        for key, value in config.items()
+    }
+    if path is not None and path in for_speed:
+        config["config"]["dtype"] = keras.dtype_policies.serialize(
+            keras.DTypePolicy(dtype)
+        )
     if _extends_keras(config):
         # kmp.layers keep less for the backward pass: inference has none.
         config["module"], config["registered_name"] = "keras.layers", None
@@ -187,17 +210,21 @@ def _copy_weights(model: keras.Model, exported: keras.Model) -> None:
     checked by its name and shape."""
     pairs = list(zip(exported.weights, model.weights, strict=False))
     differ = [
-        (target.path, source.path)
+        ((target.path, tuple(target.shape)), (source.path, tuple(source.shape)))
         for target, source in pairs
         if (target.name, tuple(target.shape)) != (source.name, tuple(source.shape))
     ]
     if len(exported.weights) != len(model.weights) or differ:
+        first = ""
+        if differ:
+            (t_name, t_shape), (s_name, s_shape) = differ[0]
+            first = f", first {s_name} {s_shape} rebuilt as {t_name} {t_shape}"
         raise ValueError(
             f"kmp.export rebuilt {model.name!r} from its config, and the "
-            f"weights differ: {len(exported.weights)} against "
-            f"{len(model.weights)}{', first ' + str(differ[0]) if differ else ''}."
-            " Its config does not describe it: check its get_config, and "
-            "that its layers build from their config."
+            f"rebuilt weights differ from the model's: {len(exported.weights)} "
+            f"against {len(model.weights)}{first}. Its config does not "
+            "describe it: check its get_config, and that its layers build "
+            "from their config."
         )
     for target, source in pairs:
         target.assign(keras.ops.cast(source, target.dtype))
@@ -206,7 +233,9 @@ def _copy_weights(model: keras.Model, exported: keras.Model) -> None:
 def _rebuilt(model: keras.Model, config: dict, policy: str, for_speed) -> keras.Model:
     """`model` built again from `config` with its 16-bit layers in `policy`,
     holding `model`'s weights."""
-    with policy_lib.policy_scope(policy):
+    # As plain Keras loads the file: a sublayer made with no dtype takes the
+    # global policy, float32 unless the loading code sets another.
+    with policy_lib.policy_scope("float32"):
         rebuilt = keras.saving.deserialize_keras_object(
             _for_inference(config, policy, for_speed)
         )
@@ -218,7 +247,7 @@ def _check_float16(exported: keras.Model, twin: keras.Model | None, sample) -> N
     """Raises where a float16 weight of `exported`, or an activation of its
     mixed `twin` on `sample`, passes float16's range, naming them."""
     beyond = [
-        f"{weight.path!r}"
+        f"the weight {weight.path!r}"
         for weight in exported.weights
         if weight.dtype == "float16"
         and not np.isfinite(keras.ops.convert_to_numpy(weight)).all()
@@ -238,7 +267,8 @@ def _check_float16(exported: keras.Model, twin: keras.Model | None, sample) -> N
         raise ValueError(
             "kmp.export refused a float16 model: values pass float16's "
             f"largest, 65504, in {', '.join(beyond)}. Export with "
-            "dtype='bfloat16', or keep those layers in float32 "
+            "dtype='bfloat16', or keep those layers (a weight's path "
+            "starts with its layer's) in float32 "
             "(kmp.set_layer_policy('name:<layer>', 'float32'), then "
             "kmp.prepare(model)) and export again."
         )
