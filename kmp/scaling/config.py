@@ -11,7 +11,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 DYNAMIC = "dynamic"
 
@@ -167,7 +166,7 @@ class LossScaleConfig:
                 f"[min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]. "
                 "Choose an initial scale inside that range."
             )
-        if self.max_scale > float(tf.float32.max) / self.growth_factor:
+        if self.max_scale > float(np.finfo(np.float32).max) / self.growth_factor:
             raise LossScaleError(
                 f"max_scale={self.max_scale} is too large: the scale is a float32 "
                 "and growing it would overflow. Use max_scale <= 2.0**64."

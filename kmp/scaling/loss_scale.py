@@ -95,7 +95,7 @@ class LossScale:
         values = LossScaleState.initial_values(config)
         self.state = LossScaleState(
             *(
-                make_variable(PUBLIC_NAMES[field], dtype.name, value)
+                make_variable(PUBLIC_NAMES[field], dtype, value)
                 for (field, dtype), value in zip(
                     LossScaleState.SPEC, values, strict=True
                 )

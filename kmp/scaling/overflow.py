@@ -79,10 +79,10 @@ class OverflowRecord:
         positions = [self._index[id(v)] for v in variables]
         if positions == list(range(len(self._variables))):
             return flags
-        import tensorflow as tf
-
-        return tf.tensor_scatter_nd_update(
-            tf.ones((len(self._variables),), tf.bool), [[p] for p in positions], flags
+        return keras.ops.scatter_update(
+            keras.ops.ones((len(self._variables),), "bool"),
+            [[p] for p in positions],
+            flags,
         )
 
     def record(self, by_variable: Any) -> None:

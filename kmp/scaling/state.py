@@ -8,7 +8,6 @@ import dataclasses
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.scaling.config import DYNAMIC
 from kmp.scaling.config import NONE
@@ -40,12 +39,12 @@ class LossScaleState:
 
     # (name, dtype) of each field, in order.
     SPEC = (
-        ("scale", tf.float32),
-        ("good_steps", tf.int64),
-        ("hysteresis_left", tf.int64),
-        ("skipped_total", tf.int64),
-        ("consecutive_skips", tf.int64),
-        ("last_finite", tf.bool),
+        ("scale", "float32"),
+        ("good_steps", "int64"),
+        ("hysteresis_left", "int64"),
+        ("skipped_total", "int64"),
+        ("consecutive_skips", "int64"),
+        ("last_finite", "bool"),
     )
 
     @staticmethod
@@ -60,7 +59,7 @@ class LossScaleState:
         values = cls.initial_values(config)
         return cls(
             *(
-                tf.constant(v, dtype)
+                keras.ops.convert_to_tensor(v, dtype)
                 for v, (_, dtype) in zip(values, cls.SPEC, strict=True)
             )
         )
