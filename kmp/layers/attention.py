@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import attention
 from kmp.internals import keras_private
@@ -51,11 +50,11 @@ def lean_attention(
     ):
         return None
     if attention_mask is not None:
-        attention_mask = tf.cast(attention_mask, tf.bool)
-        while attention_mask.shape.rank < 4:
+        attention_mask = keras.ops.cast(attention_mask, "bool")
+        while len(attention_mask.shape) < 4:
             # [batch or 1, queries, keys] -> [batch or 1, 1, queries, keys]
-            attention_mask = tf.expand_dims(attention_mask, -3)
-    query, key, value = (tf.cast(t, dtype) for t in (query, key, value))
+            attention_mask = keras.ops.expand_dims(attention_mask, -3)
+    query, key, value = (keras.ops.cast(t, dtype) for t in (query, key, value))
     scale = 1.0 / math.sqrt(float(query.shape[-1]))
     return attention.dot_product_attention(query, key, value, attention_mask, scale)
 

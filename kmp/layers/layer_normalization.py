@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import normalization
 from kmp.backend import tracing
@@ -49,7 +48,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
         features = inputs.shape[-1]
         scale, offset = normalization.scale_and_offset(self, features)
         outputs = normalization.layer_normalization(inputs, scale, offset, self.epsilon)
-        return tf.cast(outputs, self.compute_dtype)
+        return keras.ops.cast(outputs, self.compute_dtype)
 
 
 def axes(layer: keras.layers.LayerNormalization) -> list[int]:
