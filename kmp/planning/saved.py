@@ -5,7 +5,7 @@ kmp or without it.
 
 A Functional or Sequential model's config lists its layers, each with its
 policy, so Keras saves those as they are. Any other layer with sublayers
-(Keras's attention layers, a KerasHub backbone or block, a custom layer)
+(Keras's attention layers, a KerasHub block, a custom layer)
 saves only its own `dtype`: its code creates its sublayers again on load.
 Keras's attention layers and KerasHub's hand that `dtype` on to the
 sublayers they create, and Keras looks a layer's policy up in it by the
@@ -105,7 +105,7 @@ def _keys(holder: keras.layers.Layer, layers: list) -> dict[str, str]:
     """{path: key} for `layers` (the holder and sublayers with a path): each
     key the path from the holder's own name on, matched below any prefix
     (a Sequential model's name, which loading drops); a path outside the
-    holder's (a KerasHub backbone builds its blocks at the top level) as it
+    holder's (a sublayer built elsewhere) as it
     is. Exact paths where a suffix key would match two of them."""
     own = holder.path or ""
     start = len(own) - len(holder.name)
@@ -124,16 +124,15 @@ def _keys(holder: keras.layers.Layer, layers: list) -> dict[str, str]:
 
 
 def _create(holder, own: keras.DTypePolicy, inside: list) -> None:
-    default = own
     layers = [layer for layer in [holder, *inside] if layer.path]
     keys = _keys(holder, layers)
     differ = {
         keys[layer.path]: _copy(quantization.policy_of(layer))
         for layer in layers
-        if not _same(quantization.policy_of(layer), default)
+        if not _same(quantization.policy_of(layer), own)
     }
-    if differ:  # through Keras's public setter
-        holder.dtype_policy = _Map(default_policy=_copy(default), policy_map=differ)
+    if differ:  # through Keras's public setter; the layer's own is the default
+        holder.dtype_policy = _Map(default_policy=_copy(own), policy_map=differ)
 
 
 def _update(holder, held: _Map, inside: list) -> None:
