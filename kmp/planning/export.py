@@ -108,14 +108,15 @@ def export(
     # convolutions on a CPU) are exported in 16 bits, as their policy says.
     the_plan = decisions.plan(model)
     for_speed = {d.path for d in the_plan if d.rule == decisions.CPU_CONVOLUTIONS}
-    computes = applied.base_policy(model).compute_dtype
+    base = applied.base_policy(model)
+    computes = base.compute_dtype
     if not for_speed and not any(
         d.layer.compute_dtype in policy_lib.SIXTEEN_BIT for d in the_plan
     ):
         raise ValueError(
             f"kmp.export writes in 16 bits the layers that compute in 16 "
             f"bits, and no layer of {model.name!r} does (its policy is "
-            f"{applied.base_policy(model).name}). Build and train it under a "
+            f"{base.name}). Build and train it under a "
             "mixed policy (kmp.set_policy('mixed_bfloat16')) first."
         )
     if dtype == "float16" and sample is None and (computes != "float16" or for_speed):

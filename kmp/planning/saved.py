@@ -63,16 +63,18 @@ def write(model: keras.layers.Layer) -> None:
     base = applied.base_policy(model)
     written: set[int] = set()  # the maps written, shared ones once
     for holder in keras_private.sublayers(model, include_self=True):
+        held = holder.dtype_policy
+        if not _saves_a_map(holder) or id(held) in written:
+            continue
+        if not holder.path or decisions.is_explicit(holder, base):
+            continue  # not built, or the user's: it stays plain
         inside = [
             layer
             for layer in keras_private.sublayers(holder)
             if not isinstance(layer, keras.layers.InputLayer)
         ]
-        held = holder.dtype_policy
-        if not inside or not _saves_a_map(holder) or id(held) in written:
+        if not inside:
             continue
-        if not holder.path or decisions.is_explicit(holder, base):
-            continue  # not built, or the user's: it stays plain
         if isinstance(held, _Map):
             _update(holder, held, inside)
         else:
