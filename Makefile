@@ -8,6 +8,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 COMPILED := $(VENV)/.compiled
+# What runs a second time, under Keras's JAX backend.
+JAX_TESTS := tests/test_jax.py
 
 .PHONY: test demo lint docs clean
 
@@ -27,7 +29,7 @@ $(STAMP): $(PY) pyproject.toml
 
 $(COMPILED): $(STAMP)
 	PYTHONDONTWRITEBYTECODE= TF_CPP_MIN_LOG_LEVEL=3 $(PY) -c "import kmp.tools.cli, \
-	    keras_hub, sklearn.datasets, matplotlib.pyplot, pytest, xdist, hypothesis"
+	    keras_hub, sklearn.datasets, matplotlib.pyplot, pytest, xdist, hypothesis, jax"
 	touch $(COMPILED)
 
 lint: $(STAMP)
@@ -41,9 +43,14 @@ lint: $(STAMP)
 # is written (into .venv and the tree's ignored __pycache__) so that what
 # one of its processes compiles, the others do not compile again. Lint and
 # the compile of what the suite imports take one core each, side by side.
+# Then the JAX tests run once more under Keras's JAX backend, in one process
+# with two host devices (for a two-device mesh).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 lint $(COMPILED)
 	PYTHONDONTWRITEBYTECODE= TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadgroup
+	PYTHONDONTWRITEBYTECODE= TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=jax \
+	    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+	    $(PY) -m pytest -q $(JAX_TESTS)
 
 demo: $(COMPILED)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/kmp demo

@@ -70,7 +70,8 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_shell_commands_exist():
     """Each command in the shell blocks of the README and the guides is a
     real one: `make` targets are in the Makefile, `kmp ...` lines parse with
-    the CLI, and `pip install` lines name extras the package has."""
+    the CLI, `pip install` lines name extras the package has, and the
+    examples run under JAX exist."""
     import tomllib
 
     import kmp_cli
@@ -92,6 +93,8 @@ def test_shell_commands_exist():
             assert re.search(rf"^{words[1]}:", makefile, re.M), command
         elif words[:3] == ["python", "-m", "kmp"]:
             continue  # the same entry point as `kmp`
+        elif words[:2] == ["KERAS_BACKEND=jax", "python"]:
+            assert (ROOT / words[2]).is_file(), command  # an example
         elif words[0] == "pip":
             assert words[1] in ("install", "wheel"), command
             for named in re.findall(r"\[([\w,]+)\]", command):

@@ -880,3 +880,12 @@ def test_a_float32_sparse_gradient_is_checked_without_finding_its_tokens():
     assert "Unique" in {
         op.type for op in half_ops.get_concrete_function().graph.get_operations()
     }
+
+
+def test_stateless_apply_is_for_jax_and_names_the_call_for_tensorflow():
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD())
+    var = keras.Variable(1.0)
+    opt.build([var])
+    values = [v.value for v in opt.variables]
+    with pytest.raises(NotImplementedError, match=r"call apply\(grads, variables\)"):
+        opt.stateless_apply(values, [tf.constant(1.0)], [var.value])

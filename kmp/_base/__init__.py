@@ -1,2 +1,2 @@
 """What every layer of kmp may use: warnings at the user's line, plain-text
-tables."""
+tables, the backend a feature needs."""

@@ -179,6 +179,16 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
     """
     if setting is False:
         return False
+    if keras.backend.backend() != "tensorflow":
+        if setting:
+            raise ValueError(
+                "fused_update=True fuses the optimizer update into one XLA "
+                "program on TensorFlow. On "
+                f"{keras.backend.backend()}, Keras compiles the whole training "
+                "step with XLA already, the update included. Pass "
+                "fused_update=None (the default) or False."
+            )
+        return False
     if tf.distribute.has_strategy():
         if setting:
             raise ValueError(

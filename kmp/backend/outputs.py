@@ -25,6 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp.backend.jax import state as jax_state
 from kmp.precision import policy as policy_lib
 
 
@@ -38,7 +39,9 @@ class Float32Predict:
         self._model = weakref.ref(model)
         self._function = None
 
-    def __call__(self, data: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
+        """TensorFlow: `(data)` -> outputs; JAX: `(state, iterator)` ->
+        `(outputs, state)`, as Keras's own function."""
         if self._function is None:
             model = self._model()
             if model is None:
@@ -48,21 +51,38 @@ class Float32Predict:
                 )
             model.predict_function = None
             try:
-                model.make_predict_function()
+                if len(args) == 2:
+                    # JAX: fit has taken the values out of the variables,
+                    # whose shardings Keras reads from them.
+                    with keras.StatelessScope(jax_state.mapping(model, args[0])):
+                        model.make_predict_function()
+                else:
+                    model.make_predict_function()
                 inner = model.predict_function
             finally:
                 model.predict_function = self
+            self._function = _cast(inner, model, jax=len(args) == 2)
+        return self._function(*args)
 
-            def cast(data):
-                return keras.tree.map_structure(_float32, inner(data))
 
-            if model.run_eagerly:
-                self._function = cast
-            else:
-                self._function = tf.function(
-                    cast, reduce_retracing=True, autograph=False
-                )
-        return self._function(data)
+def _cast(inner: Any, model: keras.Model, jax: bool) -> Any:
+    """`inner` (Keras's predict function) with its 16-bit outputs cast to
+    float32: traced with it into one `tf.function` on TensorFlow, unless
+    the model runs eagerly; on JAX, after each call of its jitted step."""
+    if jax:
+
+        def cast_outputs(state, iterator):
+            outputs, state = inner(state, iterator)
+            return keras.tree.map_structure(_float32, outputs), state
+
+        return cast_outputs
+
+    def cast(data):
+        return keras.tree.map_structure(_float32, inner(data))
+
+    if model.run_eagerly:
+        return cast
+    return tf.function(cast, reduce_retracing=True, autograph=False)
 
 
 def _float32(x: Any) -> Any:

@@ -334,9 +334,17 @@ def trace(model: keras.layers.Layer) -> Trace:
     return Trace(result, outs)
 
 
+NOT_ON_THIS_BACKEND = (
+    "kmp reads the ops a model runs from TensorFlow's traced graph, and "
+    "Keras runs its {} backend here"
+)
+
+
 def _concrete(model, specs):
     """(the concrete function of `model(x, training=False)`, None, ''), or
     (None, why it could not be traced, where in user code)."""
+    if keras.backend.backend() != "tensorflow":
+        return None, NOT_ON_THIS_BACKEND.format(keras.backend.backend()), ""
     try:
         function = tf.function(lambda x: model(x, training=False))
         return function.get_concrete_function(specs), None, ""

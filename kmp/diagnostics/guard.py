@@ -220,7 +220,17 @@ class NonFiniteGuard(keras.callbacks.Callback):
             at_floor = scale <= np.float32(opt.config.min_scale)
         if not at_floor:
             return None
-        return "gradient" if _numpy(opt.overflow_record.loss_finite) else "forward"
+        return "gradient" if self._loss_finite(opt, logs) else "forward"
+
+    def _loss_finite(self, opt, logs) -> bool:
+        """Whether the loss was finite at the last skipped step. On JAX,
+        where kmp records no loss apart, read from the logs: a finite mean
+        loss this epoch means every step's loss was finite; a non-finite one
+        is taken for a forward overflow."""
+        if keras.backend.backend() == "jax":
+            loss = (logs or {}).get("loss")
+            return loss is None or math.isfinite(float(loss))
+        return bool(_numpy(opt.overflow_record.loss_finite))
 
     def _weights_finite(self) -> bool:
         return all(

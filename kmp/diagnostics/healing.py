@@ -55,6 +55,7 @@ import os
 import keras
 import tensorflow as tf
 
+from kmp._base import backends
 from kmp._base import warn as _warn
 from kmp.backend import machine
 from kmp.backend import probe as probe_lib
@@ -188,6 +189,12 @@ class OverflowHealer(keras.callbacks.Callback):
         to: str = "float32",
         path: str | os.PathLike | None = None,
     ):
+        backends.require_tensorflow(
+            "kmp.callbacks.OverflowHealer",
+            "Find the layer with kmp.debug.find_nonfinite(model, x_batch), "
+            "then kmp.set_layer_policy('name:<layer>', 'float32') and "
+            "kmp.compile the model again.",
+        )
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         if self.path is not None and not os.path.isdir(

@@ -42,7 +42,7 @@ class AppliedLoss:
     def record(self, loss: Any) -> None:
         """Keeps this step's loss (before scaling) until `settle`."""
         if self.built:
-            self.step_loss.assign(tf.cast(tf.reduce_mean(loss), tf.float32))
+            self.step_loss.assign(keras.ops.cast(keras.ops.mean(loss), "float32"))
             self.recorded.assign(True)
 
     def settle(self, taken: Any) -> None:
@@ -50,9 +50,9 @@ class AppliedLoss:
         gradient accumulation: if the micro-batch's were finite)."""
         if not self.built:
             return
-        take = tf.logical_and(tf.convert_to_tensor(taken), self.recorded)
-        self.total.assign_add(tf.where(take, self.step_loss, 0.0))
-        self.steps.assign_add(tf.cast(take, tf.int64))
+        take = keras.ops.logical_and(taken, self.recorded.value)
+        self.total.assign_add(keras.ops.where(take, self.step_loss.value, 0.0))
+        self.steps.assign_add(keras.ops.cast(take, self.steps.dtype))
         self.recorded.assign(False)
 
     def variables(self) -> list:
@@ -68,7 +68,7 @@ class AppliedLoss:
 
     def mean(self):
         """The mean loss of the applied steps (NaN with none)."""
-        return self.total / tf.cast(self.steps, tf.float32)
+        return self.total.value / keras.ops.cast(self.steps.value, "float32")
 
 
 def logged(model: Any, metric: Any, opt: Any):

@@ -177,13 +177,13 @@ def check_loss(loss, mode: str, owner: object) -> bool:
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
         return False
-    dtype = tf.as_dtype(dtype)
-    if not dtype.is_floating:
+    dtype = keras.backend.standardize_dtype(dtype)
+    if not keras.backend.is_float_dtype(dtype):
         raise TypeError(
             f"The loss must be a floating-point tensor to be scaled. Received a "
-            f"loss of dtype {dtype.name}. Cast it first: tf.cast(loss, 'float32')."
+            f"loss of dtype {dtype}. Cast it first: keras.ops.cast(loss, 'float32')."
         )
-    sixteen_bit = mode != NONE and dtype.size < 4
+    sixteen_bit = mode != NONE and dtype not in ("float32", "float64")
     if sixteen_bit and _warn.once(owner, "16-bit loss"):
-        _warn.warn(SIXTEEN_BIT_LOSS.format(dtype=dtype.name))
+        _warn.warn(SIXTEEN_BIT_LOSS.format(dtype=dtype))
     return sixteen_bit

@@ -18,6 +18,7 @@ Other parts of kmp use these private hooks:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
@@ -26,6 +27,7 @@ import tensorflow as tf
 from kmp.backend import distribute
 from kmp.backend import finite as finite_lib
 from kmp.backend import fused
+from kmp.backend.jax import step as jax_step
 from kmp.internals import keras_private
 from kmp.scaling import applied_loss as applied_loss_lib
 from kmp.scaling import applies
@@ -54,7 +56,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `apply` unscales the gradients of `scale_loss(loss)`. `scaled=False`
     says they are not scaled (a `kmp.ScaledGradientTape`'s, or those of a
     loss never scaled). Where kmp cannot know, it raises
-    `kmp.LossScaleError` naming the line to write.
+    `kmp.LossScaleError` naming the line to write. On JAX, `fit` calls
+    `stateless_apply`, which does what `apply` does without side effects,
+    and always unscales (Keras's contract).
 
     With `mode='none'` nothing is scaled, but a step whose gradients are
     inf/NaN is still skipped and counted. `kmp.compile` uses it for models
@@ -201,11 +205,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._applied_loss.build(self._make_variable)
 
     @property
-    def loss_scale(self) -> tf.Tensor:
+    def loss_scale(self) -> Any:
         """The current loss scale as a float32 scalar tensor (1.0 in mode
         `'none'`). `float()` of it works under a distribution strategy too,
         where the variable (`dynamic_scale`) refuses it."""
-        return tf.convert_to_tensor(self._scale.value)
+        if keras.backend.backend() == "tensorflow":
+            return tf.convert_to_tensor(self._scale.value)
+        return self._scale.value.value
 
     @property
     def dynamic_scale(self) -> keras.Variable:
@@ -257,13 +263,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `kmp.ScaledGradientTape`, which scales the loss itself.
         """
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            loss = tf.constant(loss, "float32")  # Keras's wrapper accepts numbers
-        loss = tf.convert_to_tensor(loss)
+            loss = keras.ops.convert_to_tensor(float(loss), "float32")  # as Keras's
+        loss = keras.ops.convert_to_tensor(loss)
         if ls.check_loss(loss, self.mode, self):
-            loss = tf.cast(loss, "float32")
-        self._ledger.scaled_loss()
-        self._record_loss(loss, in_scale_loss=True)
-        self._applied_loss.record(loss)
+            loss = keras.ops.cast(loss, "float32")
+        if keras.backend.backend() != "jax":
+            # On JAX this runs inside jax.value_and_grad, where no variable
+            # may be assigned: `stateless_apply` takes Keras's contract.
+            self._ledger.scaled_loss()
+            self._record_loss(loss, in_scale_loss=True)
+            self._applied_loss.record(loss)
         return self._scale.scale(loss)
 
     def _record_loss(self, loss, in_scale_loss: bool = False) -> None:
@@ -271,7 +280,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         replicas (`overflow_record.last_loss_finite`), and shows it to a forward
         watch."""
         self._loss_recorded = True
-        finite = distribute.agree(tf.reduce_all(tf.math.is_finite(loss)))
+        finite = distribute.agree(keras.ops.all(keras.ops.isfinite(loss)))
         self._overflow.record_loss(finite)
         if self._forward_watch is not None:
             self._forward_watch.saw(loss, finite, in_scale_loss)
@@ -335,8 +344,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.
         flags = distribute.agree(finite_lib.finite_flags(grads))
-        finite = tf.reduce_all(flags)
-        applied = distribute.step_if_finite(
+        finite = keras.ops.all(flags)
+        if keras.backend.backend() == "jax":
+            # Under jit the check is global: a sharded gradient's reduction
+            # reads every device, so each device makes the same decision.
+            step_if_finite = functools.partial(
+                jax_step.step_if_finite, state=self.variables
+            )
+        else:
+            step_if_finite = distribute.step_if_finite
+        applied = step_if_finite(
             finite,
             self._apply_inner,
             grads,
@@ -356,7 +373,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if watch is None or not watch.keeps_scale:
             self._scale.adjust(finite)
             return
-        forward = tf.logical_not(
+        forward = keras.ops.logical_not(
             keras.ops.convert_to_tensor(self._overflow.last_loss_finite)
         )
         self._scale.adjust(finite, keep_scale=forward)
@@ -374,9 +391,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.apply(grads, trainable_variables, scaled=scaled)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError(
-            "kmp runs on the TensorFlow backend, which applies gradients "
-            "statefully; stateless_apply is for JAX."
+        """`apply` without side effects, for JAX: takes the values of
+        `self.variables` and of the trainable variables, and returns their
+        new values (`(trainable_values, optimizer_values)`), as Keras's
+        optimizers do. `fit` calls it inside its jitted step.
+
+        The gradients are those of `scale_loss(loss)` (Keras's contract),
+        unscaled here. A step whose gradients hold inf/NaN returns the
+        weights, slots and `iterations` as they were, and moves the scale.
+        """
+        if keras.backend.backend() != "jax":
+            raise NotImplementedError(
+                "stateless_apply is for the JAX backend; on "
+                f"{keras.backend.backend()} call apply(grads, variables)."
+            )
+        return keras.optimizers.Optimizer.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables
         )
 
     # --- saving ---------------------------------------------------------------

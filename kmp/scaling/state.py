@@ -8,12 +8,14 @@ import dataclasses
 from typing import Any
 
 import keras
+import numpy as np
 
 from kmp.scaling.config import DYNAMIC
 from kmp.scaling.config import NONE
 from kmp.scaling.config import LossScaleConfig
 
-# Counters are int64 and saturate here instead of wrapping.
+# Counters are int64 and saturate here instead of wrapping (JAX without
+# x64 makes them int32: they saturate at that type's largest value).
 COUNTER_MAX = 2**63 - 1
 
 
@@ -69,7 +71,8 @@ class LossScaleState:
 
 
 def _saturating_increment(counter):
-    return keras.ops.where(counter < COUNTER_MAX, counter + 1, counter)
+    largest = np.iinfo(keras.backend.standardize_dtype(counter.dtype)).max
+    return keras.ops.where(counter < largest, counter + 1, counter)
 
 
 def next_state(

@@ -16,6 +16,10 @@ What it reads, per optimizer:
 * Keras's own `keras.optimizers.LossScaleOptimizer`: `loss_scale` (Keras
   counts no skipped steps).
 
+On JAX, the optimizer's variables are not in scope inside the step, and
+the metric reports nothing: kmp's train function reads the same values from
+the state the step returns (`step_logs`).
+
 `loss` is always Keras's own value. Beside it, a model trained by a single
 `kmp.LossScaleOptimizer` on one replica also logs `applied_loss`: the mean
 loss of the steps it applied (`kmp.scaling.applied_loss`). Where skipped
@@ -36,6 +40,7 @@ import keras
 import tensorflow as tf
 
 from kmp.backend import graph
+from kmp.backend.jax import state as jax_state
 from kmp.scaling import applied_loss
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.scaling import registry
@@ -104,10 +109,17 @@ class LossScaleTelemetry(keras.metrics.Metric):
     def reset_state(self):
         for label, opt in self._optimizers().items():
             if isinstance(opt, optimizer_lib.LossScaleOptimizer):
-                self.start_variable(label).assign(opt.skipped_steps_total)
+                # A copy: on JAX, two variables must not share one array,
+                # which the step donates.
+                total = keras.ops.copy(opt.skipped_steps_total.value)
+                self.start_variable(label).assign(total)
                 opt._applied_loss.reset()
 
     def result(self):
+        if keras.backend.backend() == "jax":
+            # Inside the JAX step the optimizer's values are not in scope:
+            # kmp's train function reads them from the state it returns.
+            return {}
         optimizers = self._optimizers()
         logs = {}
         trained = False
@@ -132,30 +144,40 @@ class LossScaleTelemetry(keras.metrics.Metric):
         return logs if trained else {}
 
 
-def _values(opt, prefix: str, epoch_start) -> dict[str, Any]:
-    """The telemetry of one optimizer (tensors), read from its variables:
-    `skipped_steps` only where `epoch_start` (the count at the epoch's
-    start) is known."""
+def _values(opt, prefix: str, epoch_start, read=tf.convert_to_tensor) -> dict[str, Any]:
+    """The telemetry of one optimizer (tensors), read from its variables by
+    `read`: `skipped_steps` only where `epoch_start` (the count at the
+    epoch's start) is known. Empty where `read` finds no value (None)."""
+    kmp_optimizer = isinstance(opt, optimizer_lib.LossScaleOptimizer)
+    variables = {
+        "loss_scale": loss_scale_of(opt),
+        "skipped_steps_total": opt.skipped_steps_total if kmp_optimizer else None,
+        "epoch_start": epoch_start if kmp_optimizer else None,
+    }
+    values = {k: read(v) for k, v in variables.items() if v is not None}
+    if any(value is None for value in values.values()):
+        return {}
     logs: dict[str, Any] = {}
-    scale = loss_scale_of(opt)
-    if scale is not None:
-        logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
-    if isinstance(opt, optimizer_lib.LossScaleOptimizer):
-        total = tf.convert_to_tensor(opt.skipped_steps_total)
-        if epoch_start is not None:
-            logs[f"{prefix}skipped_steps"] = total - tf.convert_to_tensor(epoch_start)
+    if "loss_scale" in values:
+        logs[f"{prefix}loss_scale"] = values["loss_scale"]
+    if kmp_optimizer:
+        total = values["skipped_steps_total"]
+        if "epoch_start" in values:
+            logs[f"{prefix}skipped_steps"] = total - values["epoch_start"]
         logs[f"{prefix}skipped_steps_total"] = total
     return logs
 
 
-def step_logs(model: keras.Model, per_epoch: bool) -> dict[str, Any]:
+def step_logs(model: keras.Model, per_epoch: bool, state: Any = None) -> dict[str, Any]:
     """kmp's telemetry for `model`, read after a training step from its
     optimizers' variables (for logs that do not carry it: a `train_step`
-    returning its own dict). `skipped_steps` (this epoch) only with
-    `per_epoch`, where the model's telemetry metric is among
-    `model.metrics`, which Keras resets at each epoch start."""
+    returning its own dict), or on JAX from the `state` the step returned.
+    `skipped_steps` (this epoch) only with `per_epoch`, where the model's
+    telemetry metric is among `model.metrics`, which Keras resets at each
+    epoch start."""
     metric = getattr(model, "kmp_loss_scale_telemetry", None)
     optimizers = registry.optimizers_of(model)
+    read = tf.convert_to_tensor if state is None else jax_state.reader(model, state)
     logs: dict[str, Any] = {}
     for label, opt in optimizers.items():
         prefix = "" if len(optimizers) == 1 else f"{label}_"
@@ -164,7 +186,7 @@ def step_logs(model: keras.Model, per_epoch: bool) -> dict[str, Any]:
             if per_epoch and isinstance(metric, LossScaleTelemetry)
             else None
         )
-        logs.update(_values(opt, prefix, start))
+        logs.update(_values(opt, prefix, start, read))
     return logs
 
 

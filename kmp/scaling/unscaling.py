@@ -17,6 +17,8 @@ of `kmp.ScaledGradientTape.gradient`, of
 `kmp.mixed_precision.LossScaleOptimizer`'s             as they are
 `apply_gradients` / `apply` (tf.keras 2's contract:
 the gradients `get_unscaled_gradients` returned)
+`stateless_apply` on JAX (`fit`'s jitted step)          gradients of
+                                                       `scale_loss(loss)`
 =====================================================  ======================
 
 One exception to Keras 3's contract is decided by kmp, and only where it is
@@ -194,6 +196,10 @@ class Ledger:
                     "optimizer.apply(grads, variables, scaled=True)."
                 )
             return UNSCALED
+        if keras.backend.backend() == "jax":
+            # No traced graph to read, and scale_loss runs inside
+            # jax.value_and_grad, where nothing is recorded: Keras's contract.
+            return SCALED
         if context.hand_outs:
             raise LossScaleError(
                 "apply() takes the gradients of scale_loss(loss) and unscales "

@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 
+from kmp._base import backends
 from kmp._base import warn as _warn
 from kmp.backend import drift
 from kmp.backend import fused
@@ -98,6 +99,12 @@ def compile(
             f"{model!r} (of type {type(model).__name__})."
         )
     fused.check_setting(fused_update)
+    if sample is not None:
+        backends.require_tensorflow(
+            "kmp.compile(sample=...), which checks activations in TensorFlow's "
+            "traced graph,",
+            "Compile without sample=.",
+        )
     try:
         bound = inspect.signature(model.compile).bind_partial(*args, **kwargs)
     except TypeError as e:

@@ -14,15 +14,21 @@ each skip halves it.
 
 `kmp.callbacks.NonFiniteGuard` checks the same thing, configurably: a
 `fit` that has one among its callbacks leaves the check to it.
+
+On JAX, the counters are read two steps later, before the next step is
+dispatched: the host waits for no step, and `fit`'s state stays whole.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 
+from kmp.backend.jax import state as jax_state
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
 
@@ -58,23 +64,79 @@ class StallCheck:
 
     def __init__(self):
         self._floor_seen_at: dict[int, int] = {}
+        # On JAX: the counters of the last two steps, copied, not yet read.
+        self._queued: collections.deque = collections.deque(maxlen=2)
 
     def __call__(self, model: keras.Model) -> None:
         """Raises `TrainingCollapsedError` where an optimizer kmp reports for
-        `model` stalled. Reads one counter per optimizer; the scale and the
-        cause only once that count reaches `STALLED_AFTER`."""
+        `model` stalled (on TensorFlow, after each step). Reads one counter
+        per optimizer; the scale and the cause only once that count reaches
+        `STALLED_AFTER`."""
+        self._check(
+            model,
+            lambda opt: (
+                lambda: _number(opt.consecutive_skips),
+                lambda: _number(opt.loss_scale),
+            ),
+        )
+
+    def queue(self, model: keras.Model, state: tuple) -> None:
+        """On JAX, after each step: keeps copies of the counters in the
+        `state` it returned, to be read two steps later."""
+        read = jax_state.reader(model, state)
+        self._queued.append(
+            {
+                id(opt): (read(opt.consecutive_skips), read(opt.dynamic_scale))
+                for opt in registry.optimizers_of(model).values()
+                if isinstance(opt, LossScaleOptimizer)
+            }
+        )
+
+    def check_queued(self, model: keras.Model) -> None:
+        """On JAX, before each step: the check, on the counters of the step
+        two steps back. By then that step has run, so the host waits for
+        nothing. The step about to run is not yet dispatched: the state
+        `fit` holds is whole, and its `finally` writes it back after the
+        error."""
+        if len(self._queued) < 2:
+            return
+        counters = self._queued.popleft()
+
+        def read(opt: LossScaleOptimizer) -> tuple | None:
+            values = counters.get(id(opt), (None, None))
+            if any(value is None for value in values):
+                return None
+            skips, scale = values
+            return (lambda: skips.item(), lambda: scale.item())
+
+        self._check(model, read)
+
+    def forget(self) -> None:
+        """Drops the queued counters (a guard takes the check over)."""
+        self._queued.clear()
+
+    def _check(self, model: keras.Model, counters: Callable) -> None:
+        """Raises for the first optimizer that stalled. `counters(opt)`
+        gives functions that read its skips in a row and its scale (None:
+        nothing to read)."""
         optimizers = registry.optimizers_of(model)
         for label, opt in optimizers.items():
-            if isinstance(opt, LossScaleOptimizer):
-                stalled = self._stalled(opt)
-                if stalled is not None:
-                    name = label if len(optimizers) > 1 else ""
-                    raise _error(model, name, opt, *stalled)
+            if not isinstance(opt, LossScaleOptimizer):
+                continue
+            readers = counters(opt)
+            if readers is None:
+                continue
+            stalled = self._stalled(opt, *readers)
+            if stalled is not None:
+                name = label if len(optimizers) > 1 else ""
+                raise _error(model, name, opt, *stalled)
 
-    def _stalled(self, opt: LossScaleOptimizer) -> tuple[int, str] | None:
+    def _stalled(
+        self, opt: LossScaleOptimizer, skips: Callable, scale: Callable
+    ) -> tuple[int, str] | None:
         """Where `opt` is stalled, its skips in a row and why (the words for
-        the message); else None."""
-        in_a_row = _number(opt.consecutive_skips)
+        the message); else None. `skips` and `scale` read its counters."""
+        in_a_row = skips()
         if in_a_row < STALLED_AFTER:
             self._floor_seen_at.pop(id(opt), None)
             return None
@@ -82,7 +144,7 @@ class StallCheck:
             return in_a_row, f"with a static loss scale ({opt.config.initial_scale:g})"
         if opt.mode != "dynamic":
             return in_a_row, "without loss scaling (nothing to lower)"
-        scale = _number(opt.loss_scale)
+        scale = scale()
         # The scale is a float32: compare with the floor as float32 holds it.
         if scale > np.float32(opt.config.min_scale):
             self._floor_seen_at.pop(id(opt), None)
@@ -98,7 +160,13 @@ def _error(
 ) -> TrainingCollapsedError:
     """The error for `opt` (`label`: its name where there are several),
     which skipped `in_a_row` steps in a row (`why`: with what scale)."""
-    if not opt._loss_recorded:
+    if keras.backend.backend() == "jax":
+        forward = False
+        cause = (
+            "The gradients are inf/NaN: they overflow, or the loss or the "
+            "data is inf/NaN (on JAX, kmp does not record the loss apart)."
+        )
+    elif not opt._loss_recorded:
         forward = False
         cause = (
             "The gradients are inf/NaN. kmp did not see the loss: the "

@@ -7,6 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from kmp._base import backends
 from kmp.scaling import loss_scale as ls
 from kmp.scaling.optimizer import LossScaleOptimizer
 
@@ -53,6 +54,12 @@ class ScaledGradientTape(tf.GradientTape):
         persistent: bool = False,
         watch_accessed_variables: bool = True,
     ):
+        backends.require_tensorflow(
+            "kmp.ScaledGradientTape, a tf.GradientTape,",
+            "On JAX, take the gradients of optimizer.scale_loss(loss) with "
+            "jax.value_and_grad and hand them to optimizer.stateless_apply, "
+            "which unscales them (see the JAX page of kmp's docs).",
+        )
         if not isinstance(optimizer, LossScaleOptimizer):
             raise TypeError(
                 "ScaledGradientTape needs the kmp.LossScaleOptimizer that owns the "

@@ -44,6 +44,7 @@ from typing import Any
 
 import keras
 
+from kmp._base import backends
 from kmp.precision import policy as policy_lib
 from kmp.scaling import config as ls_config
 from kmp.scaling import optimizer as optimizer_lib
@@ -122,6 +123,10 @@ class LossScaleOptimizer(optimizer_lib.LossScaleOptimizer):
         dynamic_growth_steps: int | None = None,
         **kmp_settings: Any,
     ):
+        backends.require_tensorflow(
+            "kmp.mixed_precision.LossScaleOptimizer, tf.keras 2's surface,",
+            "Use kmp.LossScaleOptimizer, Keras 3's contract.",
+        )
         if "mode" in kmp_settings:  # from get_config: kmp's own names
             if initial_scale is not None:
                 kmp_settings["initial_scale"] = initial_scale

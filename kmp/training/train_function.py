@@ -44,6 +44,11 @@ this `fit` (`watched_by`) and renewed its watch before this call.
 
 Before each call, it ends a watch of the forward pass that its `fit` did
 not renew (`kmp.diagnostics.forward_watch`), and the step is traced again.
+
+On JAX it takes and returns what Keras's JAX function does: `(state,
+iterator)` in, `(logs, state)` out. The telemetry is read from the state
+the step returned, and the stall check reads its counters two steps later
+(`StallCheck.check_queued`). `train_on_batch` gets both, as `fit` does.
 """
 
 from __future__ import annotations
@@ -59,15 +64,17 @@ import tensorflow as tf
 from kmp._base import warn as _warn
 from kmp.backend import fused
 from kmp.backend import tracing
+from kmp.backend.jax import state as jax_state
 from kmp.planning import apply as plan_apply
 from kmp.scaling import applies
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
 from kmp.training import stall
 
-# (model, per_epoch) -> the telemetry logs read after a step; (model) ->
+# (model, per_epoch, state) -> the telemetry logs read after a step (`state`:
+# what the step returned on JAX, else None); (model) ->
 # whether the per-epoch count can be reported. `kmp.telemetry` provides them.
-LogsReader = Callable[[keras.Model, bool], dict]
+LogsReader = Callable[[keras.Model, bool, Any], dict]
 EpochCheck = Callable[[keras.Model], bool]
 
 
@@ -114,7 +121,11 @@ class TrainFunction:
         self._check = True
         self.retrace()
 
-    def __call__(self, iterator: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
+        """One call from `fit` or `train_on_batch`. On TensorFlow it takes
+        `(iterator)` and returns the logs; on JAX `(state, iterator)` and
+        returns `(logs, state)`, as Keras's own function does."""
+        state, iterator = args if len(args) == 2 else (None, args[0])
         model = self._model()
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, LossScaleOptimizer) and (
@@ -122,37 +133,50 @@ class TrainFunction:
         ):
             # A watch of the forward pass that its fit did not renew: ended.
             self.retrace()
+        watched = None
+        if state is not None:
+            # JAX: the stall check reads counters two steps back, before
+            # this step is dispatched (see StallCheck.check_queued).
+            watched = self._watched()
+            if watched:
+                self._stall_check.forget()
+            else:
+                self._stall_check.check_queued(model)
         if self._check:
             # The first call, or the first after the optimizers reported
             # changed: which loss-scale optimizers the step (traced then)
             # applies.
             with applies.recorded() as applied:
-                logs = self._step(model, iterator)
+                result = self._step(model, args)
             self._check = False
             _warn_of_unreported(model, applied)
         else:
-            logs = self._step(model, iterator)
+            result = self._step(model, args)
+        logs, state = result if state is not None else (result, None)
         if self._complete_plan:
             # Built only by the first step's own trace: the plan is completed
             # now (or never, where kmp cannot trace the model), and the next
             # step is traced again if a layer changed.
             self._complete_plan = False
             if plan_apply.ready(model) and plan_apply.complete(model):
-                self._inner = self._keras_function(model)
+                self._inner = self._keras_function(model, state)
         if not _from_fit(iterator):
-            return logs
-        if not self._watched():
+            return result
+        if state is None and not self._watched():
             self._stall_check(model)
+        elif state is not None and not watched:
+            self._stall_check.queue(model, state)
         if not isinstance(logs, dict):
-            return logs
+            return result
         if self._adds is None:
             self._per_epoch = self._epoch_check(model)
-            wanted = self._logs(model, self._per_epoch)
+            wanted = self._logs(model, self._per_epoch, state)
             self._adds = any(key not in logs for key in wanted)
         if not self._adds:
-            return logs
-        extra = self._logs(model, self._per_epoch)
-        return {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+            return result
+        extra = self._logs(model, self._per_epoch, state)
+        logs = {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+        return logs if state is None else (logs, state)
 
     def watched_by(self, guard: Any) -> None:
         """Leaves the check for a stalled run to `guard` (a
@@ -178,30 +202,30 @@ class TrainFunction:
         self._watch_renewed = False
         return True
 
-    def _step(self, model: keras.Model, iterator: Any) -> Any:
+    def _step(self, model: keras.Model, args: tuple) -> Any:
         """One call of the step: the first, a changed one, or Keras's."""
         if self._inner is None:
-            return self._first_call(model, iterator)
+            return self._first_call(model, args)
         if self._changed is not None:
-            return self._changed_step(model, iterator)
-        return self._inner(iterator)
+            return self._changed_step(model, args)
+        return self._inner(*args)
 
-    def _first_call(self, model: keras.Model, iterator: Any) -> Any:
+    def _first_call(self, model: keras.Model, args: tuple) -> Any:
         """What only the first call does before its step (see the module
         docstring), then that step."""
         if self._complete_plan and not plan_apply.ready(model):
-            _build(model, iterator)
+            _build(model, args[-1])
         if self._complete_plan and plan_apply.ready(model):
             self._complete_plan = False
             plan_apply.complete(model)
         _ready_optimizer(model)
-        self._inner = self._keras_function(model)
+        self._inner = self._keras_function(model, _jax_state(args))
         if self._changed is not None:
             # A change made before the first step, said if it fails.
-            return self._changed_step(model, iterator)
-        return self._first_step(model, iterator)
+            return self._changed_step(model, args)
+        return self._first_step(model, args)
 
-    def _first_step(self, model: keras.Model, iterator: Any) -> Any:
+    def _first_step(self, model: keras.Model, args: tuple) -> Any:
         """The first step. Where its trace fails on mixed float dtypes and
         kmp gave float32 outputs to the user code it runs (a train_step that
         joins a model's output with a 16-bit tensor in raw TensorFlow), the
@@ -209,7 +233,7 @@ class TrainFunction:
         cannot read a train_step's code, and does not guess and retry."""
         built = plan_apply.all_built(model)
         try:
-            return self._inner(iterator)
+            return self._inner(*args)
         except (TypeError, tf.errors.InvalidArgumentError) as e:
             if not tracing.mixes_dtypes(e):
                 raise
@@ -239,20 +263,20 @@ class TrainFunction:
                 f"{again}."
             ) from e
 
-    def _changed_step(self, model: keras.Model, iterator: Any) -> Any:
+    def _changed_step(self, model: keras.Model, args: tuple) -> Any:
         """The first step after a change that said what it was (see
         `retrace`): where its trace fails on mixed float dtypes, the error
         says what changed and what to do. kmp does not take the change back
         and retry."""
         try:
-            logs = self._inner(iterator)
+            result = self._inner(*args)
         except (TypeError, tf.errors.InvalidArgumentError) as e:
             if not tracing.mixes_dtypes(e):
                 raise
             # Kept: the next fit says it again while the change holds.
             raise TypeError(f"{tracing.error_line(e)}\n\n{self._changed}") from e
         self._changed = None
-        return logs
+        return result
 
     def retrace(self, changed: str | None = None) -> None:
         """Has Keras trace the step again at the next call (a layer's
@@ -271,10 +295,17 @@ class TrainFunction:
         if changed is not None:
             self._changed = changed
 
-    def _keras_function(self, model: keras.Model):
+    def _keras_function(self, model: keras.Model, state: Any = None):
+        """Keras's own train function for `model`. On JAX, `state` is the
+        state `fit` hands over: Keras reads the variables' shardings from
+        their values, which `fit` has taken out of them."""
         model.train_function = None
         try:
-            model.make_train_function()
+            if state is None:
+                model.make_train_function()
+            else:
+                with keras.StatelessScope(jax_state.mapping(model, state)):
+                    model.make_train_function()
             inner = model.train_function
         finally:
             model.train_function = self
@@ -352,9 +383,19 @@ def _warn_of_unreported(model: keras.Model, applied: list) -> None:
     )
 
 
+def _jax_state(args: tuple) -> Any:
+    """The state of a call on JAX, `(state, iterator)`; None on TensorFlow."""
+    return args[0] if len(args) == 2 else None
+
+
 def _from_fit(iterator: Any) -> bool:
-    """fit hands over a tf.data iterator (train_on_batch a generator)."""
-    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
+    """fit hands over a tf.data iterator (train_on_batch a generator). On
+    JAX both hand over generators, and kmp's telemetry metric reports
+    nothing there: every call is taken as fit's, so that train_on_batch
+    returns the telemetry as it does on TensorFlow."""
+    return keras.backend.backend() == "jax" or isinstance(
+        iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+    )
 
 
 def _build(model: keras.Model, iterator: Any) -> None:

@@ -1,0 +1,55 @@
+"""Variables' values in the state that `fit`'s step returns on JAX.
+
+Keras's JAX trainer keeps no variable up to date during `fit`: its jitted
+step takes and returns the values of every variable, as
+`(trainable, non_trainable, optimizer, metrics)` lists, and writes them
+back at each epoch's end. What kmp reads after a step (the loss scale, the
+skipped steps) it reads there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+
+def reader(model: keras.Model, state: tuple) -> Callable[[Any], Any]:
+    """A function from one of `model`'s optimizer or metric variables to
+    its value in `state`, as a new array (None for a variable not there).
+
+    Copied: the step donates its state to the next step, which frees those
+    arrays, and the logs kmp reads them into live on in callbacks.
+    """
+    _, _, optimizer_values, metrics_values = state
+    values = {}
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        values.update(zip(map(id, optimizer.variables), optimizer_values, strict=True))
+    values.update(zip(map(id, model.metrics_variables), metrics_values, strict=True))
+
+    def read(variable: Any) -> Any:
+        value = values.get(id(variable))
+        return None if value is None else keras.ops.copy(value)
+
+    return read
+
+
+def mapping(model: keras.Model, state: tuple) -> list[tuple]:
+    """Pairs of `model`'s variables and their values in `state`, for a
+    `keras.StatelessScope` (in `fit`, `evaluate` and `predict`, Keras has
+    taken the values out of the variables themselves). `state` holds the
+    lists each of those steps takes: trainable and non-trainable variables,
+    then for `fit` the optimizer's, then for `fit` and `evaluate` the
+    metrics'."""
+    groups = [model.trainable_variables, model.non_trainable_variables]
+    if len(state) == 4:
+        groups.append(model.optimizer.variables)
+    if len(state) >= 3:
+        groups.append(model.metrics_variables)
+    return [
+        (variable, value)
+        for variables, values in zip(groups, state, strict=True)
+        for variable, value in zip(variables, values, strict=True)
+    ]

@@ -1,0 +1,298 @@
+"""kmp on Keras's JAX backend: `make test` runs this file a second time,
+in a process of its own, with `KERAS_BACKEND=jax` and two host devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=2`)."""
+
+import pathlib
+import runpy
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.training import stall
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="runs under KERAS_BACKEND=jax"
+)
+
+if keras.backend.backend() == "jax":
+    import jax
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+def data(n=64, poison=None):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = x[:, :1] * 2.0
+    if poison is not None:
+        x[poison, 0] = np.inf
+    return x, y
+
+
+def values(variables):
+    return [np.array(v.numpy()) for v in variables]
+
+
+def test_fit_logs_the_scale_and_the_skipped_steps():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    x, y = data()
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0).history
+    assert set(history) == {
+        "loss",
+        "loss_scale",
+        "skipped_steps",
+        "skipped_steps_total",
+    }
+    opt = model.optimizer
+    assert history["loss_scale"][-1] == float(opt.loss_scale)
+    assert history["skipped_steps_total"][-1] == int(opt.skipped_steps_total)
+    assert int(opt.iterations) + int(opt.skipped_steps_total) == 8
+
+
+def test_a_poisoned_batch_is_skipped_and_changes_no_weight_slot_or_iteration():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    x, y = data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    opt = model.optimizer
+    weights = values(model.trainable_variables)
+    slots = values(opt.inner_optimizer.variables)
+    scale, skipped = float(opt.loss_scale), int(opt.skipped_steps_total)
+    x, y = data(16, poison=3)
+    history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert history["skipped_steps"] == [1]
+    assert history["skipped_steps_total"] == [skipped + 1]
+    assert float(opt.loss_scale) == scale / 2
+    for before, after in zip(weights, values(model.trainable_variables), strict=True):
+        np.testing.assert_array_equal(before, after)
+    for before, after in zip(slots, values(opt.inner_optimizer.variables), strict=True):
+        np.testing.assert_array_equal(before, after)
+    assert opt.overflow_record.flags.numpy().tolist() == [False] * 4
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32", "bfloat16"])
+def test_every_policy_trains_and_skips_a_poisoned_batch_without_scaling(policy):
+    kmp.set_policy(policy)
+    model = kmp.compile(mlp(), "sgd", "mse")
+    assert model.optimizer.mode == "none"
+    x, y = data()
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    assert "loss_scale" not in history
+    weights = values(model.trainable_variables)
+    x, y = data(16, poison=0)
+    history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert history["skipped_steps"] == [1]
+    for before, after in zip(weights, values(model.trainable_variables), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_stateless_apply_moves_the_scale_as_apply_does_on_tensorflow():
+    # growth after 2 finite steps, back off at the 2nd overflow in a row,
+    # never below the floor of 2.
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5),
+        initial_scale=8.0,
+        dynamic_growth_steps=2,
+        hysteresis=2,
+        min_scale=2.0,
+    )
+    var = keras.Variable(np.ones(3, "float32"))
+    opt.build([var])
+    step = jax.jit(opt.stateless_apply)
+    opt_values, var_values = [v.value for v in opt.variables], [var.value]
+    scales, weights = [], []
+    for finite in [True, True, False, False, False, False, False, True]:
+        scale = opt_values[opt.variables.index(opt.dynamic_scale)]
+        grad = (
+            scale * np.ones(3, "float32") if finite else np.full(3, np.nan, "float32")
+        )
+        var_values, opt_values = step(opt_values, [grad], var_values)
+        scales.append(float(opt_values[opt.variables.index(opt.dynamic_scale)]))
+        weights.append(float(var_values[0][0]))
+    assert scales == [8.0, 16.0, 16.0, 8.0, 4.0, 2.0, 2.0, 2.0]
+    # Each finite step subtracts 0.5 * 1 (the unscaled gradient); skips none.
+    assert weights == [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5]
+    for variable, value in zip(opt.variables, opt_values, strict=True):
+        variable.assign(value)
+    assert int(opt.skipped_steps_total) == 5
+    assert int(opt.iterations) == 3
+    assert int(opt.inner_optimizer.iterations) == 3
+
+
+def test_a_run_whose_every_step_overflows_stops_at_the_floor():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "sgd", "mse")
+    x = np.full((96, 8), 1e5, "float32")
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
+        model.fit(x, np.ones((96, 1)), batch_size=1, epochs=1, verbose=0)
+    assert "loss scale at its floor (1)" in str(caught.value)
+    opt = model.optimizer
+    # 15 skips halve 2**15 to the floor; the check reads two steps back.
+    assert float(opt.loss_scale) == 1.0
+    assert int(opt.consecutive_skips) >= stall.STALLED_AFTER
+    assert int(opt.skipped_steps_total) <= 16 + 2
+    # fit wrote its state back: the model is usable.
+    assert np.isfinite(model.predict(np.ones((2, 8)), verbose=0)).all()
+
+
+def test_train_on_batch_returns_the_telemetry():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    x, y = data(16)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert logs["loss_scale"] == float(model.optimizer.loss_scale)
+    assert logs["skipped_steps_total"] == int(model.optimizer.skipped_steps_total)
+
+
+def test_the_telemetry_is_device_arrays_that_outlive_the_donated_state():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    x, y = data(16)
+    model.fit(x, y, verbose=0)  # traces the step
+    state = tuple(
+        [keras.ops.copy(v.value) for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+    first, state = model.train_function(state, iter([(x, y)]))
+    # The next step donates (frees) the state the first returned.
+    second, state = model.train_function(state, iter([(x, y)]))
+    for logs in (first, second):
+        for key in ("loss_scale", "skipped_steps", "skipped_steps_total"):
+            assert isinstance(logs[key], jax.Array), key
+    assert float(first["loss_scale"]) == float(second["loss_scale"])
+
+
+def test_fused_update_true_is_refused_with_the_reason():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse", fused_update=True)
+    x, y = data(16)
+    with pytest.raises(ValueError, match="Keras compiles the whole training step"):
+        model.fit(x, y, verbose=0)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax" and len(jax.devices()) < 2,
+    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2",
+)
+def test_a_two_device_mesh_skips_a_poisoned_batch_once_for_all_devices():
+    kmp.set_policy("mixed_float16")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        inputs = keras.Input((16, 32))
+        h = keras.layers.MultiHeadAttention(4, 8)(inputs, inputs)
+        h = keras.layers.LayerNormalization()(h + inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(h))
+        model = kmp.compile(model, "adam", "sparse_categorical_crossentropy")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 16, 32)).astype("float32")
+        y = rng.integers(0, 4, size=(32,))
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        weights = values(model.trainable_variables)
+        iterations = int(model.optimizer.iterations)
+        x[1, 0, 0] = np.inf  # on the first device's half of the batch
+        history = model.fit(x[:16], y[:16], batch_size=16, verbose=0).history
+    finally:
+        keras.distribution.set_distribution(None)
+    assert history["skipped_steps"] == [1]
+    assert int(model.optimizer.iterations) == iterations
+    for before, after in zip(weights, values(model.trainable_variables), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_a_non_finite_guard_stops_a_collapsed_run_and_names_the_layer():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "sgd", "mse")
+    x = np.full((96, 8), 1e5, "float32")
+    guard = kmp.callbacks.NonFiniteGuard(
+        max_consecutive_skips=4, on_collapse="stop", probe=x[:2]
+    )
+    model.fit(x, np.ones((96, 1)), batch_size=1, verbose=0, callbacks=[guard])
+    assert guard.diagnosis.cause == "forward"
+    assert guard.diagnosis.layers == ("hidden",)
+    opt = model.optimizer
+    # The 15th skip halves 2**15 to the floor, 4 or more in a row there.
+    assert float(opt.loss_scale) == 1.0
+    assert int(opt.skipped_steps_total) == 15
+    assert int(opt.iterations) == 0
+
+
+def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
+    # sqrt(0 * h): the forward pass and the loss are finite, the gradient
+    # of the layer before it is 0 * inf = NaN.
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, name="before"),
+            keras.layers.Lambda(lambda h: keras.ops.sqrt(h * 0.0)),
+            keras.layers.Dense(1, name="after"),
+        ]
+    )
+    model = kmp.compile(model, "sgd", "mse")
+    x = np.random.default_rng(0).random((64, 4)).astype("float32")
+    guard = kmp.callbacks.NonFiniteGuard(max_consecutive_skips=3, on_collapse="stop")
+    model.fit(x, np.ones((64, 1)), batch_size=4, verbose=0, callbacks=[guard])
+    assert guard.diagnosis.cause == "gradient"
+    assert guard.diagnosis.layers == ("before",)
+    assert int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize(
+    "make, instead",
+    [
+        (lambda m: kmp.ScaledGradientTape(m.optimizer), "jax.value_and_grad"),
+        (lambda m: kmp.callbacks.OverflowHealer(), "kmp.debug.find_nonfinite"),
+        (
+            lambda m: kmp.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()),
+            "Use kmp.LossScaleOptimizer",
+        ),
+        (
+            lambda m: kmp.compile(m, "sgd", "mse", sample=np.ones((2, 8))),
+            "Compile without sample=",
+        ),
+    ],
+    ids=["tape", "healer", "tf_keras_2_optimizer", "compile_sample"],
+)
+def test_what_needs_tensorflow_says_so_and_what_to_do_instead(make, instead):
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "sgd", "mse")
+    with pytest.raises(NotImplementedError, match="needs Keras's TensorFlow") as caught:
+        make(model)
+    assert instead in str(caught.value)
+
+
+def test_the_report_says_why_its_op_trace_is_missing():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "sgd", "mse")
+    report = str(kmp.precision_report(model))
+    assert "Keras runs its jax backend here" in report
+    assert "hidden" in report
+
+
+def test_the_quickstart_trains_with_the_telemetry(capsys):
+    runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "skipped_steps_total: 0" in out
+    assert float(out.rsplit("final accuracy: ", 1)[1]) > 0.7
