@@ -3,6 +3,7 @@ in a process of its own, with `KERAS_BACKEND=jax` and two host devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=2`)."""
 
 import pathlib
+import re
 import runpy
 
 import keras
@@ -113,7 +114,14 @@ def test_stateless_apply_moves_the_scale_as_apply_does_on_tensorflow():
     )
     var = keras.Variable(np.ones(3, "float32"))
     opt.build([var])
-    step = jax.jit(opt.stateless_apply)
+
+    @jax.jit
+    def step(opt_values, grads, var_values):
+        # The gradients handed over are those of a scaled loss: scale one.
+        with keras.StatelessScope(list(zip(opt.variables, opt_values, strict=True))):
+            opt.scale_loss(keras.ops.sum(var_values[0]))
+        return opt.stateless_apply(opt_values, grads, var_values)
+
     opt_values, var_values = [v.value for v in opt.variables], [var.value]
     scales, weights = [], []
     for finite in [True, True, False, False, False, False, False, True]:
@@ -296,3 +304,101 @@ def test_the_quickstart_trains_with_the_telemetry(capsys):
     out = capsys.readouterr().out
     assert "skipped_steps_total: 0" in out
     assert float(out.rsplit("final accuracy: ", 1)[1]) > 0.7
+
+
+def test_auto_reads_the_gpus_jax_sees(monkeypatch):
+    from kmp.backend import machine
+
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+        compute_capability = "9.0"
+
+    def devices(platform=None):
+        if platform == "gpu":
+            return [Device()]
+        raise RuntimeError(f"Unknown backend {platform}")
+
+    monkeypatch.setattr(jax, "devices", devices)
+    machine.capabilities.cache_clear()
+    try:
+        assert machine.capabilities().gpus == (
+            machine.GPUInfo("NVIDIA H100 80GB HBM3", (9, 0)),
+        )
+        assert machine.resolve_auto().policy == "mixed_bfloat16"
+    finally:
+        machine.capabilities.cache_clear()
+
+
+def test_the_jitted_custom_loop_example_learns(capsys):
+    runpy.run_path(str(EXAMPLES / "jax_custom_loop.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "loss scale" in out
+    accuracy = float(re.search(r"train accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.8  # 4 classes: chance is 0.25
+
+
+class OwnStep(keras.Model):
+    """A train_step of its own, as Keras's guide writes one for JAX."""
+
+    def __init__(self, scales_the_loss):
+        super().__init__()
+        self.scales_the_loss = scales_the_loss
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def loss_for_gradients(self, trainable, non_trainable, optimizer_values, x, y):
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x)
+        loss = keras.ops.mean((y - keras.ops.cast(y_pred, "float32")) ** 2)
+        scaled = loss
+        if self.scales_the_loss:
+            mapping = list(zip(self.optimizer.variables, optimizer_values, strict=True))
+            with keras.StatelessScope(state_mapping=mapping):
+                scaled = self.optimizer.scale_loss(loss)
+        return scaled, (loss, non_trainable)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y = data
+        (_, (loss, non_trainable)), grads = jax.value_and_grad(
+            self.loss_for_gradients, has_aux=True
+        )(trainable, non_trainable, optimizer_values, x, y)
+        trainable, optimizer_values = self.optimizer.stateless_apply(
+            optimizer_values, grads, trainable
+        )
+        return {"loss": loss}, (
+            trainable,
+            non_trainable,
+            optimizer_values,
+            metrics_values,
+        )
+
+
+def test_an_own_train_step_that_scales_the_loss_trains_with_the_telemetry():
+    kmp.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = kmp.compile(OwnStep(scales_the_loss=True), keras.optimizers.SGD(0.05))
+    x, y = data()
+    history = model.fit(x, y, epochs=3, batch_size=16, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    assert history["loss_scale"][-1] == float(model.optimizer.loss_scale)
+    assert history["skipped_steps_total"][-1] == 0
+
+
+def test_an_own_train_step_that_scales_no_loss_is_refused_with_the_line_to_add():
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(OwnStep(scales_the_loss=False), keras.optimizers.SGD(0.05))
+    x, y = data()
+    with pytest.raises(kmp.LossScaleError, match=r"optimizer.scale_loss\(loss\)"):
+        model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_an_own_train_step_under_bfloat16_needs_no_scaled_loss():
+    kmp.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = kmp.compile(OwnStep(scales_the_loss=False), keras.optimizers.SGD(0.05))
+    x, y = data()
+    history = model.fit(x, y, epochs=3, batch_size=16, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]

@@ -1,5 +1,6 @@
 """The machine probe: the CPU, GPUs (with compute capability) and TPUs this
-process sees, read once, and the policy `'auto'` picks for them.
+process sees (through TensorFlow, or JAX on Keras's JAX backend), read
+once, and the policy `'auto'` picks for them.
 
 Probing only: functions here return data and never print.
 """
@@ -11,6 +12,9 @@ import functools
 import logging
 import os
 
+import keras
+
+from kmp.backend.jax import devices as jax_devices
 from kmp.precision.auto import AutoChoice
 from kmp.precision.auto import choose_policy
 
@@ -41,6 +45,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def _gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
+    if keras.backend.backend() == "jax":
+        return jax_devices.gpu_compute_capabilities()
     import tensorflow as tf
 
     found = []
@@ -53,6 +59,8 @@ def _gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
 
 
 def _tpu_count() -> int:
+    if keras.backend.backend() == "jax":
+        return jax_devices.tpu_count()
     import tensorflow as tf
 
     return len(tf.config.list_physical_devices("TPU"))

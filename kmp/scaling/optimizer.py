@@ -58,7 +58,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     loss never scaled). Where kmp cannot know, it raises
     `kmp.LossScaleError` naming the line to write. On JAX, `fit` calls
     `stateless_apply`, which does what `apply` does without side effects,
-    and always unscales (Keras's contract).
+    and unscales the gradients of a loss its step scaled (Keras's
+    contract). A step that scaled no loss is refused, with the line to add.
 
     With `mode='none'` nothing is scaled, but a step whose gradients are
     inf/NaN is still skipped and counted. `kmp.compile` uses it for models
@@ -267,10 +268,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss = keras.ops.convert_to_tensor(loss)
         if ls.check_loss(loss, self.mode, self):
             loss = keras.ops.cast(loss, "float32")
+        self._ledger.scaled_loss()
         if keras.backend.backend() != "jax":
             # On JAX this runs inside jax.value_and_grad, where no variable
-            # may be assigned: `stateless_apply` takes Keras's contract.
-            self._ledger.scaled_loss()
+            # may be assigned.
             self._record_loss(loss, in_scale_loss=True)
             self._applied_loss.record(loss)
         return self._scale.scale(loss)
@@ -397,8 +398,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         optimizers do. `fit` calls it inside its jitted step.
 
         The gradients are those of `scale_loss(loss)` (Keras's contract),
-        unscaled here. A step whose gradients hold inf/NaN returns the
-        weights, slots and `iterations` as they were, and moves the scale.
+        unscaled here; `scale_loss` must have run in the same step (while JAX
+        traces it). A step whose gradients hold inf/NaN returns the weights,
+        slots and `iterations` as they were, and moves the scale.
+
+        Raises:
+            kmp.LossScaleError: where no loss was scaled since the last
+                apply, under a mode that scales.
         """
         if keras.backend.backend() != "jax":
             raise NotImplementedError(

@@ -197,9 +197,11 @@ class Ledger:
                 )
             return UNSCALED
         if keras.backend.backend() == "jax":
-            # No traced graph to read, and scale_loss runs inside
-            # jax.value_and_grad, where nothing is recorded: Keras's contract.
-            return SCALED
+            # No traced graph to read: a loss scaled in this step's code
+            # (scale_loss runs in Python while JAX traces) decides.
+            if context.scaled_losses:
+                return SCALED
+            raise LossScaleError(NO_LOSS_SCALED_ON_JAX)
         if context.hand_outs:
             raise LossScaleError(
                 "apply() takes the gradients of scale_loss(loss) and unscales "
@@ -261,6 +263,17 @@ class Ledger:
         context = self._context()
         applied, context.applied = context.applied, False
         return applied
+
+
+NO_LOSS_SCALED_ON_JAX = (
+    "stateless_apply() takes the gradients of optimizer.scale_loss(loss) and "
+    "unscales them, but no loss was scaled in this step: kmp cannot tell "
+    "whether these gradients are scaled, and on JAX it cannot read that from "
+    "the step. Scale the loss inside the function jax.value_and_grad "
+    "differentiates: loss = optimizer.scale_loss(loss) (in a train_step, "
+    "self.optimizer.scale_loss, inside a keras.StatelessScope over the "
+    "optimizer's state: see the JAX page of kmp's docs)."
+)
 
 
 def _tensors(grads) -> list:
