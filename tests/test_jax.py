@@ -402,3 +402,56 @@ def test_an_own_train_step_under_bfloat16_needs_no_scaled_loss():
     x, y = data()
     history = model.fit(x, y, epochs=3, batch_size=16, verbose=0).history
     assert history["loss"][-1] < history["loss"][0]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax" and len(jax.devices()) < 2,
+    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2",
+)
+@pytest.mark.parametrize("built", [False, True], ids=["model", "optimizer_too"])
+def test_variables_made_before_the_distribution_are_named_with_the_fix(built):
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    if built:
+        model.optimizer.build(model.trainable_variables)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        x, y = data(32)
+        with pytest.raises(ValueError, match="Set the distribution first") as caught:
+            model.fit(x, y, batch_size=16, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert "The variables of the model" in str(caught.value)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax" and len(jax.devices()) < 2,
+    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2",
+)
+def test_model_parallel_kernels_sharded_over_two_devices_skip_a_poisoned_batch():
+    kmp.set_policy("mixed_float16")
+    devices = keras.distribution.list_devices()[:2]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = (None, "model")
+    layout_map[".*bias"] = ("model",)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)]
+        )
+        model = kmp.compile(model, "adam", "mse")
+        assert tuple(model.layers[0].kernel.value.sharding.spec) == (None, "model")
+        x, y = data(32)
+        model.fit(x, np.tile(y, 2), batch_size=16, verbose=0)
+        weights = values(model.trainable_variables)
+        x, y = data(16, poison=5)
+        history = model.fit(x, np.tile(y, 2), batch_size=16, verbose=0).history
+    finally:
+        keras.distribution.set_distribution(None)
+    assert history["skipped_steps"] == [1]
+    for before, after in zip(weights, values(model.trainable_variables), strict=True):
+        np.testing.assert_array_equal(before, after)

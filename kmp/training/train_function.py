@@ -219,7 +219,10 @@ class TrainFunction:
             self._complete_plan = False
             plan_apply.complete(model)
         _ready_optimizer(model)
-        self._inner = self._keras_function(model, _jax_state(args))
+        state = _jax_state(args)
+        if state is not None:
+            jax_state.check_placement(model, state)
+        self._inner = self._keras_function(model, state)
         if self._changed is not None:
             # A change made before the first step, said if it fails.
             return self._changed_step(model, args)

@@ -53,3 +53,35 @@ def mapping(model: keras.Model, state: tuple) -> list[tuple]:
         for variables, values in zip(groups, state, strict=True)
         for variable, value in zip(variables, values, strict=True)
     ]
+
+
+def check_placement(model: keras.Model, state: tuple) -> None:
+    """Raises where a `keras.distribution` is set and some of `model`'s
+    variables, or its optimizer's, live on one device of its several:
+    they were made before `set_distribution`, and JAX's error about it
+    ("incompatible devices") names neither them nor the fix."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    devices = distribution.device_mesh.devices.size
+    if devices < 2:
+        return
+    groups = {
+        "model": [*state[0], *state[1]],
+        "optimizer": state[2] if len(state) == 4 else [],
+    }
+    made_before = [
+        name
+        for name, values in groups.items()
+        if any(len(value.sharding.device_set) == 1 for value in values)
+    ]
+    if made_before:
+        raise ValueError(
+            f"The variables of the {' and its '.join(made_before)} of "
+            f"{model.name!r} live on one device, but the "
+            f"{type(distribution).__name__} set with "
+            f"keras.distribution.set_distribution spans {devices}: they were "
+            "made before it was set. Set the distribution first, then build "
+            "the model and compile it (kmp.compile), as Keras requires with "
+            "or without kmp."
+        )
