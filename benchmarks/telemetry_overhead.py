@@ -12,6 +12,7 @@ One run is a whole `fit` of `--epochs` epochs, as a monitor is used: its
 TensorBoard writer and CSV file are opened once per fit.
 
 Run: python benchmarks/telemetry_overhead.py [--repeats 9] [--every 1]
+(with KERAS_BACKEND=jax, on Keras's JAX backend)
 """
 
 import argparse
@@ -56,7 +57,8 @@ def main():
     parser.add_argument("--every", type=int, default=1)
     add_clock_argument(parser)
     args = parser.parse_args()
-    tf.config.optimizer.set_experimental_options({"remapping": False})
+    if keras.backend.backend() == "tensorflow":
+        tf.config.optimizer.set_experimental_options({"remapping": False})
     x, y = data(args.steps, args.batch_size)
     workdir = tempfile.mkdtemp(prefix="kmp-telemetry-")
     models = {v: build(v) for v in ("bare", "history", "monitor")}
@@ -87,6 +89,7 @@ def main():
     result["clock"] = args.clock
     result.update(summary(interleaved(runs, args.repeats, clock), steps, "bare"))
     result["tensorflow"], result["keras"] = tf.__version__, keras.__version__
+    result["backend"] = keras.backend.backend()
     print(json.dumps(result, indent=2))
 
 

@@ -324,3 +324,49 @@ def test_bench_cli_finds_the_largest_batch_per_policy(capsys, runs_in_this_proce
         assert f["median_step_ms"] > 0
     assert kmp_cli.main(["bench", "--memory-budget", "lots"]) != 0
     assert "positive size with a unit" in capsys.readouterr().err
+
+
+def test_a_plain_keras_run_that_fails_is_a_row_and_a_kmp_run_that_fails_raises(
+    monkeypatch, capsys
+):
+    calls = []
+
+    def fake_run(function, args, timeout, what, show_output):
+        steps = args[2]
+        calls.append(what)
+        if what in ("keras:mixed_float16", "mixed_bfloat16"):
+            raise bench._runs.RunFailed(
+                f"The {what} run failed in its process",
+                1,
+                "Traceback ...\nValueError: The precision 'F16_F16_F32' is not "
+                "supported by dot_general on CPU\n--------------------\n"
+                "For simplicity, JAX has removed its internal frames.\n",
+            )
+        return {
+            "policy": what,
+            "step_ms": [10.0] * steps,
+            "peak_host_rss_mb": 900.0,
+            "peak_gpu_mb": None,
+            "final_loss": 1.0,
+            "skipped_steps": 0,
+        }
+
+    monkeypatch.setattr(bench._runs, "in_fresh_process", fake_run)
+    results = {
+        r.policy: r
+        for r in bench.run(
+            "mlp", policies=("mixed_float16",), steps=2, rounds=2, compare_keras=True
+        )
+    }
+    failed = results["keras:mixed_float16"]
+    assert failed.failed == (
+        "ValueError: The precision 'F16_F16_F32' is not supported by dot_general on CPU"
+    )
+    assert results["mixed_float16"].kmp_vs_keras is None
+    assert calls.count("keras:mixed_float16") == 1  # not run again
+    with pytest.raises(bench._runs.RunFailed):  # kmp's own run failing
+        bench.run("mlp", policies=("mixed_bfloat16",), steps=2, rounds=1)
+    monkeypatch.setattr(bench, "run", lambda **kwargs: list(results.values()))
+    assert kmp_cli.main(["bench", "--keras", "--policies", "mixed_float16"]) == 0
+    out = capsys.readouterr().out
+    assert "keras:mixed_float16 failed: ValueError: The precision" in out

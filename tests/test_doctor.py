@@ -135,7 +135,8 @@ def test_doctor_returns_data_matching_the_auto_policy():
     report = kmp.doctor()
     # What doctor says 'auto' picks is what set_policy('auto') sets.
     assert report.auto.policy == kmp.set_policy("auto").name
-    assert set(report.versions) == {"kmp", "tensorflow", "keras"}
+    assert set(report.versions) == {"kmp", "tensorflow", "keras", "keras backend"}
+    assert report.versions["keras backend"] == "tensorflow"
     data = report.to_dict()
     assert data["auto"]["policy"] == report.auto.policy
     json.dumps(data)  # serializable

@@ -150,10 +150,11 @@ def test_a_run_whose_every_step_overflows_stops_at_the_floor():
         model.fit(x, np.ones((96, 1)), batch_size=1, epochs=1, verbose=0)
     assert "loss scale at its floor (1)" in str(caught.value)
     opt = model.optimizer
-    # 15 skips halve 2**15 to the floor; the check reads two steps back.
+    # 15 skips halve 2**15 to the floor; the check reads once in
+    # QUEUED_AT_MOST steps.
     assert float(opt.loss_scale) == 1.0
     assert int(opt.consecutive_skips) >= stall.STALLED_AFTER
-    assert int(opt.skipped_steps_total) <= 16 + 2
+    assert int(opt.skipped_steps_total) <= 16 + 2 * stall.QUEUED_AT_MOST
     # fit wrote its state back: the model is usable.
     assert np.isfinite(model.predict(np.ones((2, 8)), verbose=0)).all()
 
@@ -280,8 +281,9 @@ def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
             lambda m: kmp.compile(m, "sgd", "mse", sample=np.ones((2, 8))),
             "Compile without sample=",
         ),
+        (lambda m: kmp.optimizers.AdamW(), "keras.optimizers.Adam or AdamW"),
     ],
-    ids=["tape", "healer", "tf_keras_2_optimizer", "compile_sample"],
+    ids=["tape", "healer", "tf_keras_2_optimizer", "compile_sample", "adam"],
 )
 def test_what_needs_tensorflow_says_so_and_what_to_do_instead(make, instead):
     kmp.set_policy("mixed_float16")
@@ -297,6 +299,7 @@ def test_the_report_says_why_its_op_trace_is_missing():
     report = str(kmp.precision_report(model))
     assert "Keras runs its jax backend here" in report
     assert "hidden" in report
+    assert "Grappler" not in report  # TensorFlow's, which does not run here
 
 
 def test_the_quickstart_trains_with_the_telemetry(capsys):
@@ -455,3 +458,37 @@ def test_model_parallel_kernels_sharded_over_two_devices_skip_a_poisoned_batch()
     assert history["skipped_steps"] == [1]
     for before, after in zip(weights, values(model.trainable_variables), strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+def test_a_floor_below_one_unscales_before_the_check():
+    # Below a scale of 1, unscaling can overflow a finite gradient: the
+    # gradients are then unscaled first and checked after, as on TensorFlow.
+    opt = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=1.0, min_scale=2.0**-120
+    )
+    var = keras.Variable(np.ones(2, "float32"))
+    opt.build([var])
+
+    @jax.jit
+    def step(opt_values, grads, var_values):
+        with keras.StatelessScope(list(zip(opt.variables, opt_values, strict=True))):
+            opt.scale_loss(keras.ops.sum(var_values[0]))
+        return opt.stateless_apply(opt_values, grads, var_values)
+
+    opt_values, var_values = [v.value for v in opt.variables], [var.value]
+    for _ in range(120):  # skipped: the scale falls to 2**-120
+        nan = np.full(2, np.nan, "float32")
+        var_values, opt_values = step(opt_values, [nan], var_values)
+    big = np.full(2, 1e30, "float32")  # finite, but 1e30 * 2**120 overflows
+    var_values, opt_values = step(opt_values, [big], var_values)
+    np.testing.assert_array_equal(var_values[0], [1.0, 1.0])
+    scale = opt_values[opt.variables.index(opt.dynamic_scale)]
+    assert float(scale) == 2.0**-120
+
+
+def test_doctor_names_the_backend_and_what_has_no_meaning_here():
+    report = kmp.doctor()
+    assert report.versions["keras backend"] == "jax"
+    assert report.versions["jax"] == jax.__version__
+    assert "Not used on Keras's jax backend" in report.fused_update
+    assert not report.remapper.managed  # grappler: TensorFlow's

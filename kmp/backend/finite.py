@@ -14,7 +14,9 @@ import tensorflow as tf
 def _finite(x: Any):
     """A scalar bool: whether every value of `x` is finite (see finite_flags)."""
     ops = keras.ops
-    if keras.backend.standardize_dtype(x.dtype) in ("float32", "float64"):
+    if keras.backend.backend() == "tensorflow" and keras.backend.standardize_dtype(
+        x.dtype
+    ) in ("float32", "float64"):
         return ops.isfinite(ops.sum(x))
     return ops.all(ops.isfinite(x))
 
@@ -49,7 +51,8 @@ def finite_flags(tensors: Iterable[Any]):
     tensor whose values are finite but whose sum overflows (magnitudes
     near 1e38 in float32) counts as non-finite too: its step would not be
     meaningful. 16-bit tensors, whose sums overflow easily, are checked
-    value by value.
+    value by value. On JAX every tensor is checked value by value: XLA fuses
+    that check into the step, where a sum is one more pass.
     """
     ops = keras.ops
     checks = [

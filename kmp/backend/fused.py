@@ -144,6 +144,11 @@ def weights_of(variables: Any) -> int | None:
 
 def rule() -> str:
     """The default rule in one sentence, as `kmp doctor` prints it."""
+    if keras.backend.backend() != "tensorflow":
+        return (
+            f"Not used on Keras's {keras.backend.backend()} backend, which "
+            "compiles the whole training step with XLA."
+        )
     if not default_for_machine():
         return (
             "The optimizer update is not fused by default here: on a machine "

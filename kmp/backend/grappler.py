@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import keras
+
 from kmp.backend import machine
 from kmp.backend.machine import Capabilities
 
@@ -64,7 +66,11 @@ def remapper_setting() -> RemapperSetting:
     >>> setting = kmp.backend.grappler.remapper_setting()
     >>> setting.enabled  # TensorFlow's default, under the float32 policy
     True
+
+    On another Keras backend, grappler does not run: kmp manages nothing.
     """
+    if keras.backend.backend() != "tensorflow":
+        return RemapperSetting(enabled=False, managed=False, set_by_kmp=False)
     import tensorflow as tf
 
     caps = machine.capabilities()
@@ -101,8 +107,12 @@ def apply_fast_paths(compute_dtype: str) -> tuple[str, ...]:
     `kmp doctor` say so where it matters.
 
     Returns:
-        A description of each setting changed (empty if none).
+        A description of each setting changed (empty if none; always empty
+        on a Keras backend other than TensorFlow, where grappler does not
+        run).
     """
+    if keras.backend.backend() != "tensorflow":
+        return ()
     import tensorflow as tf
 
     wanted = remapper_off_for(compute_dtype, machine.capabilities())

@@ -11,6 +11,7 @@ from kmp.backend import grappler
 from kmp.backend import machine
 from kmp.backend.grappler import REMAPPER_PROCESS_WIDE
 from kmp.backend.grappler import RemapperSetting
+from kmp.backend.jax import devices as jax_devices
 from kmp.backend.machine import Capabilities
 from kmp.precision.auto import AutoChoice
 
@@ -213,6 +214,12 @@ def doctor() -> DoctorReport:
             "kmp": __version__,
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
+            "keras backend": keras.backend.backend(),
+            **(
+                {"jax": jax_devices.version()}
+                if keras.backend.backend() == "jax"
+                else {}
+            ),
         },
         warnings=notes,
         fused_update=fused.rule(),

@@ -26,9 +26,17 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from kmp._base import backends
 from kmp.backend import rounding as rounding_lib
 
 STATE_DTYPES = ("bfloat16", "float32")
+
+
+def _require_tensorflow() -> None:
+    backends.require_tensorflow(
+        "kmp.optimizers' bfloat16 moments",
+        "Use Keras's own keras.optimizers.Adam or AdamW (float32 moments).",
+    )
 
 
 class _HalfState:
@@ -192,6 +200,7 @@ class Adam(_HalfState, keras.optimizers.Adam):
         seed: int = 0,
         **kwargs: Any,
     ):
+        _require_tensorflow()
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -245,6 +254,7 @@ class AdamW(_HalfState, keras.optimizers.AdamW):
         seed: int = 0,
         **kwargs: Any,
     ):
+        _require_tensorflow()
         super().__init__(
             learning_rate=learning_rate,
             weight_decay=weight_decay,

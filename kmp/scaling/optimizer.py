@@ -334,14 +334,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         lora.warn_dead_adapters(self, variables)
         applies.applied(self)
-        grads = self._ledger.unscaled(
-            grads,
-            variables,
-            scaled=scaled,
-            contract=self._contract,
-            scale=self._scale,
-            owner=self,
-        )
+        apply_inner = self._apply_inner
+        if keras.backend.backend() == "jax" and self.config.min_scale >= 1:
+            # As Keras's wrapper does: the scaled gradients are checked, and
+            # unscaled inside the applied step, where XLA fuses the division
+            # with the update. Exact for scales of 1 and up: unscaling them
+            # never makes a finite gradient overflow.
+            decision = self._ledger.decide(
+                grads, scaled, self._contract, self._scale.value, self._scale.scaling
+            )
+            if decision == unscaling.SCALED and self._scale.scaling:
+                apply_inner = functools.partial(self._apply_inner, unscale=True)
+        else:
+            grads = self._ledger.unscaled(
+                grads,
+                variables,
+                scaled=scaled,
+                contract=self._contract,
+                scale=self._scale,
+                owner=self,
+            )
         # One flag per gradient, agreed on across replicas: a non-finite value
         # on any replica makes every replica skip the step.
         flags = distribute.agree(finite_lib.finite_flags(grads))
@@ -356,7 +368,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             step_if_finite = distribute.step_if_finite
         applied = step_if_finite(
             finite,
-            self._apply_inner,
+            apply_inner,
             grads,
             variables,
             self._adjust,
@@ -379,8 +391,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self._scale.adjust(finite, keep_scale=forward)
 
-    def _apply_inner(self, grads, variables) -> None:
-        """The inner optimizer's update, fused by XLA where that is on."""
+    def _apply_inner(self, grads, variables, unscale: bool = False) -> None:
+        """The inner optimizer's update, fused by XLA where that is on, of
+        `grads` divided by the scale first with `unscale`."""
+        if unscale:
+            grads = self._scale.unscale(grads, variables)
         if fused.resolve(self.fused_update, self.inner_optimizer, variables):
             self._fused_apply(grads, variables)
         else:

@@ -144,17 +144,24 @@ class LossScaleTelemetry(keras.metrics.Metric):
         return logs if trained else {}
 
 
-def _values(opt, prefix: str, epoch_start, read=tf.convert_to_tensor) -> dict[str, Any]:
+def _read(variables: list) -> list:
+    """The values of variables, read in the step being traced (TensorFlow)."""
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def _values(opt, prefix: str, epoch_start, read=_read) -> dict[str, Any]:
     """The telemetry of one optimizer (tensors), read from its variables by
-    `read`: `skipped_steps` only where `epoch_start` (the count at the
-    epoch's start) is known. Empty where `read` finds no value (None)."""
+    `read` (a list of variables to their values): `skipped_steps` only where
+    `epoch_start` (the count at the epoch's start) is known. Empty where
+    `read` finds no value (None)."""
     kmp_optimizer = isinstance(opt, optimizer_lib.LossScaleOptimizer)
     variables = {
         "loss_scale": loss_scale_of(opt),
         "skipped_steps_total": opt.skipped_steps_total if kmp_optimizer else None,
         "epoch_start": epoch_start if kmp_optimizer else None,
     }
-    values = {k: read(v) for k, v in variables.items() if v is not None}
+    variables = {k: v for k, v in variables.items() if v is not None}
+    values = dict(zip(variables, read(list(variables.values())), strict=True))
     if any(value is None for value in values.values()):
         return {}
     logs: dict[str, Any] = {}
@@ -177,7 +184,7 @@ def step_logs(model: keras.Model, per_epoch: bool, state: Any = None) -> dict[st
     epoch start."""
     metric = getattr(model, "kmp_loss_scale_telemetry", None)
     optimizers = registry.optimizers_of(model)
-    read = tf.convert_to_tensor if state is None else jax_state.reader(model, state)
+    read = _read if state is None else jax_state.reader(model, state)
     logs: dict[str, Any] = {}
     for label, opt in optimizers.items():
         prefix = "" if len(optimizers) == 1 else f"{label}_"

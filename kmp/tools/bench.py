@@ -44,6 +44,9 @@ class BenchResult:
     # The peak of live tensors (`kmp.tools.runs.tensors_peak_mb`): memory
     # above the runtime's own. None where TensorFlow keeps no count.
     peak_tensors_mb: float | None = None
+    # Why a plain-Keras run failed (its error's last line), where it did:
+    # its figures are then NaN.
+    failed: str = ""
 
 
 def build_model(name: str, seed: int = 0):
@@ -199,6 +202,7 @@ def run_one(
     import tensorflow as tf
 
     import kmp
+    from kmp.backend import machine
     from kmp.precision import policy as policy_lib
 
     for module in imports:
@@ -232,7 +236,10 @@ def run_one(
     stopped_early = len(times) < steps + WARMUP_STEPS
     timed = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times[1:]
     gpu_peak = None
-    if tf.config.list_physical_devices("GPU"):
+    if keras.backend.backend() == "jax":
+        if machine.capabilities().gpus:
+            gpu_peak = _runs.tensors_peak_mb()
+    elif tf.config.list_physical_devices("GPU"):
         gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
     skipped = getattr(net.optimizer, "skipped_steps_total", None)
     if skipped is not None:
@@ -318,16 +325,19 @@ def run(
     runs: dict[str, list[dict]] = {
         (f"keras:{p}" if keras else p): [] for p, keras in variants
     }
+    failures: dict[str, str] = {}
     total = rounds * len(variants)
     done = 0
     for r in range(rounds):
         for name, keras in variants if r % 2 == 0 else variants[::-1]:
             done += 1
             label = f"keras:{name}" if keras else name
+            if label in failures:
+                continue  # failed once: not run again
             if progress:
                 progress(f"[{done}/{total}] {model} under {label} (round {r + 1})")
-            runs[label].append(
-                _runs.in_fresh_process(
+            try:
+                figures = _runs.in_fresh_process(
                     "kmp.tools.bench:run_one",
                     [
                         model,
@@ -343,15 +353,24 @@ def run(
                     what=label,
                     show_output=False,
                 )
-            )
+            except _runs.RunFailed as e:
+                if not keras:
+                    raise
+                # Plain Keras failing where kmp trains is a finding: kept.
+                failures[label] = _last_line(e.stderr) or str(e)
+                continue
+            runs[label].append(figures)
 
     def median_of(label):
-        if label not in runs:
+        if label not in runs or not runs[label]:
             return None
         return statistics.median(t for run_ in runs[label] for t in run_["step_ms"])
 
     results = []
     for name, name_runs in runs.items():
+        if name in failures:
+            results.append(_failed(name, failures[name]))
+            continue
         step_ms = tuple(t for run_ in name_runs for t in run_["step_ms"])
         median = statistics.median(step_ms)
         # kmp rows against kmp's float32; keras: rows against Keras's float32.
@@ -393,6 +412,34 @@ def run(
             )
         )
     return results
+
+
+def _last_line(text: str) -> str:
+    """The last line of a child's stderr that is not blank or JAX's note."""
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not set(line.strip()) <= {"-"}
+    ]
+    lines = [line for line in lines if not line.startswith("For simplicity, JAX")]
+    return lines[-1] if lines else ""
+
+
+def _failed(policy: str, why: str) -> BenchResult:
+    """The row of a plain-Keras run that failed."""
+    nan = float("nan")
+    return BenchResult(
+        policy=policy,
+        median_step_ms=nan,
+        speedup_vs_float32=None,
+        samples_per_s=nan,
+        peak_host_rss_mb=nan,
+        peak_gpu_mb=None,
+        final_loss=nan,
+        skipped_steps=None,
+        step_ms=(),
+        failed=why,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,6 +599,7 @@ def plot(results: Sequence[BenchResult], path: str, title: str = "") -> None:
     fig = Figure(figsize=(8.0, 4.0), dpi=100)
     FigureCanvasAgg(fig)
     speed_ax, memory_ax = fig.subplots(1, 2)
+    results = [r for r in results if not r.failed]
     names = [r.policy for r in results]
     speed_ax.bar(
         names, [r.speedup_vs_float32 or 0.0 for r in results], color="tab:blue"

@@ -307,6 +307,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(bench.to_json(results))
         return 0
+    import keras  # for the backend's name, as the runs saw it
+
     gpu = any(r.peak_gpu_mb is not None for r in results)
     header = ["policy", "ms/step", "speed-up", "samples/s", "peak RSS MB"]
     header += ["peak GPU MB"] if gpu else ["tensors MB"]
@@ -316,6 +318,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     header += ["kmp/Keras"] if compared else []
     rows = []
     for r in results:
+        if r.failed:
+            rows.append([r.policy, "failed", *[""] * (len(header) - 2)])
+            continue
         row = [
             r.policy,
             f"{r.median_step_ms:.1f}",
@@ -335,9 +340,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rows.append(row)
     print(
         f"kmp bench: {args.model}, batch {args.batch_size}, {args.steps} timed "
-        f"steps x {args.rounds} rounds, medians\n"
+        f"steps x {args.rounds} rounds, medians, Keras's "
+        f"{keras.backend.backend()} backend\n"
     )
     print(format_table(header, rows))
+    for r in results:
+        if r.failed:
+            print(f"\n{r.policy} failed: {r.failed}")
     if compared:
         print(
             "\nkmp/Keras: plain Keras's step time over kmp's under the same "

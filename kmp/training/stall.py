@@ -15,13 +15,13 @@ each skip halves it.
 `kmp.callbacks.NonFiniteGuard` checks the same thing, configurably: a
 `fit` that has one among its callbacks leaves the check to it.
 
-On JAX, the counters are read two steps later, before the next step is
-dispatched: the host waits for no step, and `fit`'s state stays whole.
+On JAX, the counters are read once in `QUEUED_AT_MOST` steps, before the
+next step is dispatched, so that `fit`'s state stays whole. So the error
+can come up to twice that many steps later than on TensorFlow.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +35,9 @@ from kmp.scaling.optimizer import LossScaleOptimizer
 # Skipped steps in a row, with nothing left to lower, before `fit` stops.
 # `kmp.callbacks.NonFiniteGuard`'s default too.
 STALLED_AFTER = 10
+
+# On JAX, the stall check reads the counters once in this many steps.
+QUEUED_AT_MOST = 8
 
 
 class TrainingCollapsedError(RuntimeError):
@@ -64,8 +67,8 @@ class StallCheck:
 
     def __init__(self):
         self._floor_seen_at: dict[int, int] = {}
-        # On JAX: the counters of the last two steps, copied, not yet read.
-        self._queued: collections.deque = collections.deque(maxlen=2)
+        # On JAX: the counters of the last steps, copied, not yet read.
+        self._queued: list[dict] = []
 
     def __call__(self, model: keras.Model) -> None:
         """Raises `TrainingCollapsedError` where an optimizer kmp reports for
@@ -82,25 +85,44 @@ class StallCheck:
 
     def queue(self, model: keras.Model, state: tuple) -> None:
         """On JAX, after each step: keeps copies of the counters in the
-        `state` it returned, to be read two steps later."""
-        read = jax_state.reader(model, state)
+        `state` it returned, to be read once that step has run."""
+        optimizers = [
+            opt
+            for opt in registry.optimizers_of(model).values()
+            if isinstance(opt, LossScaleOptimizer)
+        ]
+        values = jax_state.reader(model, state)(
+            [
+                v
+                for opt in optimizers
+                for v in (opt.consecutive_skips, opt.dynamic_scale)
+            ]
+        )
         self._queued.append(
             {
-                id(opt): (read(opt.consecutive_skips), read(opt.dynamic_scale))
-                for opt in registry.optimizers_of(model).values()
-                if isinstance(opt, LossScaleOptimizer)
+                id(opt): tuple(values[2 * i : 2 * i + 2])
+                for i, opt in enumerate(optimizers)
             }
         )
 
     def check_queued(self, model: keras.Model) -> None:
-        """On JAX, before each step: the check, on the counters of the step
-        two steps back. By then that step has run, so the host waits for
-        nothing. The step about to run is not yet dispatched: the state
-        `fit` holds is whole, and its `finally` writes it back after the
-        error."""
-        if len(self._queued) < 2:
+        """On JAX, before each step: once `QUEUED_AT_MOST` steps are queued,
+        the check, on the counters of the newest that has run (or else the
+        oldest, waiting for it); the others are dropped unread: a stall
+        shows in any later count. The host reads once in `QUEUED_AT_MOST`
+        steps. The step about to run is not yet dispatched: the state `fit`
+        holds is whole, and its `finally` writes it back after the error."""
+        if len(self._queued) < QUEUED_AT_MOST:
             return
-        counters = self._queued.popleft()
+        done = [
+            i
+            for i, counters in enumerate(self._queued)
+            if jax_state.ready(
+                [v for pair in counters.values() for v in pair if v is not None]
+            )
+        ]
+        counters = self._queued[done[-1] if done else 0]
+        self._queued.clear()
 
         def read(opt: LossScaleOptimizer) -> tuple | None:
             values = counters.get(id(opt), (None, None))

@@ -47,8 +47,8 @@ not renew (`kmp.diagnostics.forward_watch`), and the step is traced again.
 
 On JAX it takes and returns what Keras's JAX function does: `(state,
 iterator)` in, `(logs, state)` out. The telemetry is read from the state
-the step returned, and the stall check reads its counters two steps later
-(`StallCheck.check_queued`). `train_on_batch` gets both, as `fit` does.
+the step returned, and the stall check reads its counters once in a few
+steps (`StallCheck.check_queued`). `train_on_batch` gets both, as `fit` does.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class TrainFunction:
             self.retrace()
         watched = None
         if state is not None:
-            # JAX: the stall check reads counters two steps back, before
-            # this step is dispatched (see StallCheck.check_queued).
+            # JAX: the stall check reads queued counters, before this step
+            # is dispatched (StallCheck.check_queued).
             watched = self._watched()
             if watched:
                 self._stall_check.forget()

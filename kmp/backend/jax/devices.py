@@ -4,7 +4,7 @@ on Keras's JAX backend (TensorFlow's list says nothing of JAX's devices)."""
 from __future__ import annotations
 
 
-def _devices(platform: str) -> list:
+def _devices(platform: str | None) -> list:
     import jax  # the JAX edge: imported only where Keras runs JAX
 
     try:
@@ -27,3 +27,20 @@ def gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
 def tpu_count() -> int:
     """How many TPU cores JAX sees."""
     return len(_devices("tpu"))
+
+
+def peak_memory_mb() -> float | None:
+    """The peak of JAX's live arrays on its first device so far, in MiB.
+    None where the device keeps no such count (JAX's CPU devices)."""
+    devices = _devices(None)
+    stats = devices[0].memory_stats() if devices else None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**20
+
+
+def version() -> str:
+    """JAX's version."""
+    import jax
+
+    return jax.__version__
