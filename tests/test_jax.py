@@ -492,3 +492,43 @@ def test_doctor_names_the_backend_and_what_has_no_meaning_here():
     assert report.versions["jax"] == jax.__version__
     assert "Not used on Keras's jax backend" in report.fused_update
     assert not report.remapper.managed  # grappler: TensorFlow's
+
+
+def test_a_loss_scale_monitor_records_the_skipped_step_in_every_format(tmp_path):
+    kmp.set_policy("mixed_float16")
+    model = kmp.compile(mlp(), "adam", "mse")
+    x, y = data(64, poison=3)  # in the first batch of 16
+    monitor = kmp.callbacks.LossScaleMonitor(
+        log_dir=tmp_path / "tb",
+        csv_path=tmp_path / "scale.csv",
+        plot_path=tmp_path / "scale.png",
+    )
+    model.fit(
+        x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[monitor]
+    )
+    records = monitor.records
+    assert len(records) == 8
+    assert records[0].skipped and records[4].skipped  # each epoch's first step
+    assert records[0].overflow_layers == ("hidden", "out")
+    assert not any(r.skipped for r in records if r.step % 4 != 1)
+    assert records[1].loss_scale == records[0].loss_scale == 16384.0
+    with open(tmp_path / "scale.csv") as f:
+        assert len(f.read().splitlines()) == 1 + 8
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_lora_adapters_train_and_all_zero_ones_are_warned_of_before_the_step():
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    model.layers[0].enable_lora(2)
+    model = kmp.compile(model, "adam", "mse")
+    x, y = data()
+    history = model.fit(x, y, epochs=3, batch_size=16, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    dead = mlp()
+    dead.layers[0].enable_lora(2)
+    dead.layers[0].lora_kernel_a.assign(np.zeros((8, 2), "float32"))
+    dead = kmp.compile(dead, "adam", "mse")
+    with pytest.warns(UserWarning, match="LoRA adapters of .*hidden.* are all zero"):
+        dead.fit(x, y, batch_size=16, verbose=0)

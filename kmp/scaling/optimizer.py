@@ -332,7 +332,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if trainable_variables is None
             else list(trainable_variables)
         )
-        lora.warn_dead_adapters(self, variables)
+        if keras.backend.backend() != "jax":
+            # On JAX this runs while the step is traced, on no values: kmp's
+            # train function checks before the first step.
+            lora.warn_dead_adapters(self, variables)
         applies.applied(self)
         apply_inner = self._apply_inner
         if keras.backend.backend() == "jax" and self.config.min_scale >= 1:

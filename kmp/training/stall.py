@@ -85,7 +85,7 @@ class StallCheck:
 
     def queue(self, model: keras.Model, state: tuple) -> None:
         """On JAX, after each step: keeps copies of the counters in the
-        `state` it returned, to be read once that step has run."""
+        `state` it returned, for `check_queued`."""
         optimizers = [
             opt
             for opt in registry.optimizers_of(model).values()

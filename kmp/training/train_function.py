@@ -67,6 +67,7 @@ from kmp.backend import tracing
 from kmp.backend.jax import state as jax_state
 from kmp.planning import apply as plan_apply
 from kmp.scaling import applies
+from kmp.scaling import lora
 from kmp.scaling import registry
 from kmp.scaling.optimizer import LossScaleOptimizer
 from kmp.training import stall
@@ -222,6 +223,7 @@ class TrainFunction:
         state = _jax_state(args)
         if state is not None:
             jax_state.check_placement(model, state)
+            _warn_of_dead_adapters(model, state)
         self._inner = self._keras_function(model, state)
         if self._changed is not None:
             # A change made before the first step, said if it fails.
@@ -384,6 +386,16 @@ def _warn_of_unreported(model: keras.Model, applied: list) -> None:
         "model.d_optimizer, ...}) (kmp.compile(model, ...) names those passed "
         "to the model's own compile)."
     )
+
+
+def _warn_of_dead_adapters(model: keras.Model, state: tuple) -> None:
+    """On JAX, before the first step: the check `kmp.LossScaleOptimizer`
+    makes at its first apply on TensorFlow (`kmp.scaling.lora`), on the
+    values `state` holds."""
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer):
+        with keras.StatelessScope(jax_state.mapping(model, state)):
+            lora.warn_dead_adapters(optimizer, model.trainable_variables)
 
 
 def _jax_state(args: tuple) -> Any:
