@@ -102,6 +102,21 @@ def test_every_policy_trains_and_skips_a_poisoned_batch_without_scaling(policy):
         np.testing.assert_array_equal(before, after)
 
 
+def jitted_step(opt, var):
+    """`opt` built for `var`, and a jitted step of a custom loop that
+    scales a loss (its gradients are handed over as those of a scaled one)
+    and applies them with `stateless_apply`."""
+    opt.build([var])
+
+    @jax.jit
+    def step(opt_values, grads, var_values):
+        with keras.StatelessScope(list(zip(opt.variables, opt_values, strict=True))):
+            opt.scale_loss(keras.ops.sum(var_values[0]))
+        return opt.stateless_apply(opt_values, grads, var_values)
+
+    return step
+
+
 def test_stateless_apply_moves_the_scale_as_apply_does_on_tensorflow():
     # growth after 2 finite steps, back off at the 2nd overflow in a row,
     # never below the floor of 2.
@@ -113,15 +128,7 @@ def test_stateless_apply_moves_the_scale_as_apply_does_on_tensorflow():
         min_scale=2.0,
     )
     var = keras.Variable(np.ones(3, "float32"))
-    opt.build([var])
-
-    @jax.jit
-    def step(opt_values, grads, var_values):
-        # The gradients handed over are those of a scaled loss: scale one.
-        with keras.StatelessScope(list(zip(opt.variables, opt_values, strict=True))):
-            opt.scale_loss(keras.ops.sum(var_values[0]))
-        return opt.stateless_apply(opt_values, grads, var_values)
-
+    step = jitted_step(opt, var)
     opt_values, var_values = [v.value for v in opt.variables], [var.value]
     scales, weights = [], []
     for finite in [True, True, False, False, False, False, False, True]:
@@ -467,14 +474,7 @@ def test_a_floor_below_one_unscales_before_the_check():
         keras.optimizers.SGD(0.5), initial_scale=1.0, min_scale=2.0**-120
     )
     var = keras.Variable(np.ones(2, "float32"))
-    opt.build([var])
-
-    @jax.jit
-    def step(opt_values, grads, var_values):
-        with keras.StatelessScope(list(zip(opt.variables, opt_values, strict=True))):
-            opt.scale_loss(keras.ops.sum(var_values[0]))
-        return opt.stateless_apply(opt_values, grads, var_values)
-
+    step = jitted_step(opt, var)
     opt_values, var_values = [v.value for v in opt.variables], [var.value]
     for _ in range(120):  # skipped: the scale falls to 2**-120
         nan = np.full(2, np.nan, "float32")
