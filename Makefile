@@ -8,8 +8,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 COMPILED := $(VENV)/.compiled
-# What runs a second time, under Keras's JAX backend.
-JAX_TESTS := tests/test_jax.py
+# What runs a second time, under Keras's JAX backend: the JAX tests and the
+# test files that pass on either backend.
+JAX_TESTS := tests/test_jax.py tests/test_policy.py tests/test_traversal.py \
+	tests/test_layers.py
 
 .PHONY: test demo lint docs clean
 

@@ -156,6 +156,7 @@ def test_a_run_whose_every_step_overflows_stops_at_the_floor():
     with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
         model.fit(x, np.ones((96, 1)), batch_size=1, epochs=1, verbose=0)
     assert "loss scale at its floor (1)" in str(caught.value)
+    assert caught.value.cause == "forward"  # from the loss in the logs
     opt = model.optimizer
     # 15 skips halve 2**15 to the floor; the check reads once in
     # QUEUED_AT_MOST steps.
@@ -253,9 +254,9 @@ def test_a_non_finite_guard_stops_a_collapsed_run_and_names_the_layer():
     assert int(opt.iterations) == 0
 
 
-def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
-    # sqrt(0 * h): the forward pass and the loss are finite, the gradient
-    # of the layer before it is 0 * inf = NaN.
+def nan_gradients():
+    """sqrt(0 * h): the forward pass and the loss are finite, the gradient
+    of the layer before it is 0 * inf = NaN."""
     kmp.set_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -266,7 +267,20 @@ def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
             keras.layers.Dense(1, name="after"),
         ]
     )
-    model = kmp.compile(model, "sgd", "mse")
+    return kmp.compile(model, "sgd", "mse")
+
+
+def test_a_run_whose_gradients_are_nan_stops_with_that_cause():
+    model = nan_gradients()
+    x = np.random.default_rng(0).random((256, 4)).astype("float32")
+    with pytest.raises(kmp.callbacks.TrainingCollapsedError) as caught:
+        model.fit(x, np.ones((256, 1)), batch_size=4, verbose=0)
+    assert caught.value.cause == "gradient"
+    assert "without loss scaling" in str(caught.value)
+
+
+def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
+    model = nan_gradients()
     x = np.random.default_rng(0).random((64, 4)).astype("float32")
     guard = kmp.callbacks.NonFiniteGuard(max_consecutive_skips=3, on_collapse="stop")
     model.fit(x, np.ones((64, 1)), batch_size=4, verbose=0, callbacks=[guard])

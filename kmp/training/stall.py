@@ -105,13 +105,14 @@ class StallCheck:
             }
         )
 
-    def check_queued(self, model: keras.Model) -> None:
+    def check_queued(self, model: keras.Model, loss: Any = None) -> None:
         """On JAX, before each step: once `QUEUED_AT_MOST` steps are queued,
         the check, on the counters of the newest that has run (or else the
         oldest, waiting for it); the others are dropped unread: a stall
         shows in any later count. The host reads once in `QUEUED_AT_MOST`
         steps. The step about to run is not yet dispatched: the state `fit`
-        holds is whole, and its `finally` writes it back after the error."""
+        holds is whole, and its `finally` writes it back after the error.
+        `loss`: the mean loss in the last step's logs, for the error."""
         if len(self._queued) < QUEUED_AT_MOST:
             return
         done = [
@@ -131,13 +132,13 @@ class StallCheck:
             skips, scale = values
             return (lambda: skips.item(), lambda: scale.item())
 
-        self._check(model, read)
+        self._check(model, read, loss)
 
     def forget(self) -> None:
         """Drops the queued counters (a guard takes the check over)."""
         self._queued.clear()
 
-    def _check(self, model: keras.Model, counters: Callable) -> None:
+    def _check(self, model: keras.Model, counters: Callable, loss: Any = None) -> None:
         """Raises for the first optimizer that stalled. `counters(opt)`
         gives functions that read its skips in a row and its scale (None:
         nothing to read)."""
@@ -151,7 +152,7 @@ class StallCheck:
             stalled = self._stalled(opt, *readers)
             if stalled is not None:
                 name = label if len(optimizers) > 1 else ""
-                raise _error(model, name, opt, *stalled)
+                raise _error(model, name, opt, *stalled, loss=loss)
 
     def _stalled(
         self, opt: LossScaleOptimizer, skips: Callable, scale: Callable
@@ -177,31 +178,44 @@ class StallCheck:
         return in_a_row, f"with the loss scale at its floor ({scale:g})"
 
 
+def _loss_finite(opt: LossScaleOptimizer, loss: Any) -> bool | None:
+    """Whether the loss was finite at the last skipped step; None where kmp
+    did not see it. On JAX, where kmp records no loss apart, read from
+    `loss`, the epoch's mean loss in the step's logs: finite only where
+    every step's loss was."""
+    if keras.backend.backend() == "jax":
+        return None if loss is None else bool(np.isfinite(float(loss)))
+    if not opt._loss_recorded:
+        return None
+    return bool(_number(opt.overflow_record.loss_finite))
+
+
 def _error(
-    model: keras.Model, label: str, opt: LossScaleOptimizer, in_a_row: int, why: str
+    model: keras.Model,
+    label: str,
+    opt: LossScaleOptimizer,
+    in_a_row: int,
+    why: str,
+    loss: Any = None,
 ) -> TrainingCollapsedError:
     """The error for `opt` (`label`: its name where there are several),
-    which skipped `in_a_row` steps in a row (`why`: with what scale)."""
-    if keras.backend.backend() == "jax":
-        forward = False
-        cause = (
-            "The gradients are inf/NaN: they overflow, or the loss or the "
-            "data is inf/NaN (on JAX, kmp does not record the loss apart)."
-        )
-    elif not opt._loss_recorded:
-        forward = False
+    which skipped `in_a_row` steps in a row (`why`: with what scale).
+    `loss`: on JAX, the mean loss in the last step's logs."""
+    loss_finite = _loss_finite(opt, loss)
+    forward = loss_finite is False
+    if loss_finite is None:
         cause = (
             "The gradients are inf/NaN. kmp did not see the loss: the "
             "train_step does not call optimizer.scale_loss."
+            if keras.backend.backend() != "jax"
+            else "The gradients are inf/NaN (the step's logs hold no loss)."
         )
-    elif not _number(opt.overflow_record.loss_finite):
-        forward = True
+    elif forward:
         cause = (
             "The loss itself is inf/NaN: a layer overflows in the forward "
             "pass, or the data holds inf/NaN."
         )
     else:
-        forward = False
         cause = (
             "The loss is finite but the gradients are inf/NaN: they "
             "overflow, or a layer hides inf/NaN inputs from the loss."

@@ -112,6 +112,7 @@ class TrainFunction:
         self._watcher: Callable[[], Any] | None = None  # see `watched_by`
         self._watch_renewed = False
         self._stall_check = stall.StallCheck()
+        self._last_loss = None  # JAX: the last step's mean loss, for the check
 
     def optimizers_changed(self) -> None:
         """The optimizers kmp reports for the model changed
@@ -142,7 +143,7 @@ class TrainFunction:
             if watched:
                 self._stall_check.forget()
             else:
-                self._stall_check.check_queued(model)
+                self._stall_check.check_queued(model, self._last_loss)
         if self._check:
             # The first call, or the first after the optimizers reported
             # changed: which loss-scale optimizers the step (traced then)
@@ -154,6 +155,8 @@ class TrainFunction:
         else:
             result = self._step(model, args)
         logs, state = result if state is not None else (result, None)
+        if state is not None and isinstance(logs, dict):
+            self._last_loss = logs.get("loss")  # an array: read only in an error
         if self._complete_plan:
             # Built only by the first step's own trace: the plan is completed
             # now (or never, where kmp cannot trace the model), and the next
