@@ -364,6 +364,8 @@ def test_a_plain_keras_run_that_fails_is_a_row_and_a_kmp_run_that_fails_raises(
     )
     assert results["mixed_float16"].kmp_vs_keras is None
     assert calls.count("keras:mixed_float16") == 1  # not run again
+    rows = json.loads(bench.to_json(list(results.values())))  # strict JSON
+    assert [r["median_step_ms"] for r in rows] == [10.0, None]
     with pytest.raises(bench._runs.RunFailed):  # kmp's own run failing
         bench.run("mlp", policies=("mixed_bfloat16",), steps=2, rounds=1)
     monkeypatch.setattr(bench, "run", lambda **kwargs: list(results.values()))

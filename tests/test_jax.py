@@ -327,7 +327,7 @@ def test_the_quickstart_trains_with_the_telemetry(capsys):
     runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "skipped_steps_total: 0" in out
-    assert float(out.rsplit("final accuracy: ", 1)[1]) > 0.7
+    assert float(out.rsplit("final accuracy: ", 1)[1]) > 0.5  # chance: 0.1
 
 
 def test_auto_reads_the_gpus_jax_sees(monkeypatch):
@@ -337,9 +337,13 @@ def test_auto_reads_the_gpus_jax_sees(monkeypatch):
         device_kind = "NVIDIA H100 80GB HBM3"
         compute_capability = "9.0"
 
+    class Rocm:
+        device_kind = "AMD Instinct MI210"
+        compute_capability = "gfx90a"  # no CUDA compute capability: left out
+
     def devices(platform=None):
         if platform == "gpu":
-            return [Device()]
+            return [Device(), Rocm()]
         raise RuntimeError(f"Unknown backend {platform}")
 
     monkeypatch.setattr(jax, "devices", devices)
@@ -546,3 +550,43 @@ def test_lora_adapters_train_and_all_zero_ones_are_warned_of_before_the_step():
     dead = kmp.compile(dead, "adam", "mse")
     with pytest.warns(UserWarning, match="LoRA adapters of .*hidden.* are all zero"):
         dead.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_a_loss_scaled_in_another_jitted_function_is_stated_with_scaled_true():
+    kmp.set_policy("mixed_float16")
+    model = mlp()
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=1024.0)
+    opt.build(model.trainable_variables)
+    x, y = data(16)
+
+    @jax.jit
+    def gradients(trainable, non_trainable, opt_values):
+        def scaled_loss(trainable):
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+            loss = keras.ops.mean((y - keras.ops.cast(y_pred, "float32")) ** 2)
+            mapping = list(zip(opt.variables, opt_values, strict=True))
+            with keras.StatelessScope(state_mapping=mapping):
+                return opt.scale_loss(loss)
+
+        return jax.grad(scaled_loss)(trainable)
+
+    apply = jax.jit(opt.stateless_apply, static_argnames="scaled")
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    opt_values = [v.value for v in opt.variables]
+    grads = gradients(trainable, non_trainable, opt_values)
+    apply(opt_values, grads, trainable, scaled=True)  # traced: the count is 0
+    # Traced, with no loss scaled since the last apply, and nothing stated:
+    with pytest.raises(kmp.LossScaleError, match="scaled=True"):
+        jax.jit(opt.stateless_apply)(opt_values, grads, trainable)
+    new, _ = apply(opt_values, grads, trainable, scaled=True)
+    plain = jax.jit(
+        jax.grad(lambda t: gradients_unscaled(model, t, non_trainable, x, y))
+    )(trainable)
+    for w, g, after in zip(trainable, plain, new, strict=True):
+        np.testing.assert_allclose(after, w - 0.01 * g, rtol=2e-2, atol=1e-5)
+
+
+def gradients_unscaled(model, trainable, non_trainable, x, y):
+    y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+    return keras.ops.mean((y - keras.ops.cast(y_pred, "float32")) ** 2)

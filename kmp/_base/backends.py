@@ -12,5 +12,5 @@ def require_tensorflow(what: str, instead: str) -> None:
     if backend != "tensorflow":
         raise NotImplementedError(
             f"{what} needs Keras's TensorFlow backend, and this process runs "
-            f"its {backend} backend (KERAS_BACKEND={backend}). {instead}"
+            f"its {backend} backend. {instead}"
         )

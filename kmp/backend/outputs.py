@@ -50,8 +50,9 @@ class Float32Predict:
                     "exists. Call predict on a live model."
                 )
             model.predict_function = None
+            jax = keras.backend.backend() == "jax"
             try:
-                if len(args) == 2:
+                if jax:
                     # JAX: fit has taken the values out of the variables,
                     # whose shardings Keras reads from them.
                     with keras.StatelessScope(jax_state.mapping(model, args[0])):
@@ -61,7 +62,7 @@ class Float32Predict:
                 inner = model.predict_function
             finally:
                 model.predict_function = self
-            self._function = _cast(inner, model, jax=len(args) == 2)
+            self._function = _cast(inner, model, jax=jax)
         return self._function(*args)
 
 

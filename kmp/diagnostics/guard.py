@@ -16,7 +16,6 @@ from kmp.diagnostics import collapse
 from kmp.diagnostics.collapse import TrainingCollapsedError
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.scaling import registry
-from kmp.scaling import state as ls_state
 from kmp.training import stall
 from kmp.training import train_function
 
@@ -25,6 +24,12 @@ logger = logging.getLogger("kmp")
 
 def _numpy(value: Any) -> Any:
     return keras.ops.convert_to_numpy(value).item()
+
+
+def _largest(counter: Any) -> int:
+    """Where `counter` saturates: its dtype's largest value (int64's, or
+    int32's on JAX without x64)."""
+    return int(np.iinfo(keras.backend.standardize_dtype(counter.dtype)).max)
 
 
 class NonFiniteGuard(keras.callbacks.Callback):
@@ -178,7 +183,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             and self._total is not None
             and self._in_a_row is not None
             and steps >= 1
-            and total < ls_state.COUNTER_MAX  # a saturated total stops
+            and total < _largest(opt.skipped_steps_total)  # saturated: stops
         )
         if known:
             skipped = int(total) - self._total
@@ -220,17 +225,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
             at_floor = scale <= np.float32(opt.config.min_scale)
         if not at_floor:
             return None
-        return "gradient" if self._loss_finite(opt, logs) else "forward"
-
-    def _loss_finite(self, opt, logs) -> bool:
-        """Whether the loss was finite at the last skipped step. On JAX,
-        where kmp records no loss apart, read from the logs: a finite mean
-        loss this epoch means every step's loss was finite; a non-finite one
-        is taken for a forward overflow."""
-        if keras.backend.backend() == "jax":
-            loss = (logs or {}).get("loss")
-            return loss is None or math.isfinite(float(loss))
-        return bool(_numpy(opt.overflow_record.loss_finite))
+        loss_finite = stall.loss_finite(opt, (logs or {}).get("loss"))
+        return "forward" if loss_finite is False else "gradient"
 
     def _weights_finite(self) -> bool:
         return all(

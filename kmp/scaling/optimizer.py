@@ -409,28 +409,59 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
         return self.apply(grads, trainable_variables, scaled=scaled)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self,
+        optimizer_variables,
+        grads,
+        trainable_variables,
+        *,
+        scaled: bool | None = None,
+    ):
         """`apply` without side effects, for JAX: takes the values of
         `self.variables` and of the trainable variables, and returns their
         new values (`(trainable_values, optimizer_values)`), as Keras's
         optimizers do. `fit` calls it inside its jitted step.
 
         The gradients are those of `scale_loss(loss)` (Keras's contract),
-        unscaled here; `scale_loss` must have run in the same step (while JAX
-        traces it). A step whose gradients hold inf/NaN returns the weights,
-        slots and `iterations` as they were, and moves the scale.
+        unscaled here, where `scale_loss` ran since the last apply (while JAX
+        traced the same step). A step whose gradients hold inf/NaN returns
+        the weights, slots and `iterations` as they were, and moves the
+        scale.
+
+        Args:
+            optimizer_variables: The values of `self.variables`.
+            grads: The gradients, one per trainable variable.
+            trainable_variables: The values of the variables it was built
+                for.
+            scaled: As in `apply`. Say `scaled=True` where the loss was
+                scaled in another traced function (a jitted gradient
+                function called apart).
 
         Raises:
-            kmp.LossScaleError: where no loss was scaled since the last
-                apply, under a mode that scales.
+            kmp.LossScaleError: where `scaled` is not given, no loss was
+                scaled since the last apply, and the mode scales.
         """
         if keras.backend.backend() != "jax":
             raise NotImplementedError(
                 "stateless_apply is for the JAX backend; on "
                 f"{keras.backend.backend()} call apply(grads, variables)."
             )
-        return keras.optimizers.Optimizer.stateless_apply(
-            self, optimizer_variables, grads, trainable_variables
+        if not self.built:
+            raise ValueError(
+                "stateless_apply needs a built optimizer: "
+                "optimizer.build(model.trainable_variables) first."
+            )
+        trainable = keras_private.optimizer_variables(self)
+        # As Keras's own Optimizer.stateless_apply, with `scaled` passed on.
+        mapping = [
+            *zip(trainable, trainable_variables, strict=True),
+            *zip(self.variables, optimizer_variables, strict=True),
+        ]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.apply(grads, scaled=scaled)
+        return (
+            [scope.get_current_value(v) for v in trainable],
+            [scope.get_current_value(v) for v in self.variables],
         )
 
     # --- saving ---------------------------------------------------------------

@@ -37,7 +37,9 @@ those alone) follow the contract.
 
 What kmp records, per step context (the outermost graph being traced, or
 eager execution) since the last `apply` there, is used to refuse sequences
-that the contract makes wrong, never to decide: gradients handed out
+that the contract makes wrong, never to decide (on TensorFlow; on JAX,
+where no graph can be read, a loss scaled since the last apply decides,
+and `scaled=` overrides it): gradients handed out
 unscaled and then passed to an `apply` that would unscale them again, a
 loss scaled inside a recording `ScaledGradientTape` (which scales it
 already), scaled gradients passed to a tf.keras 2 `apply_gradients`. Two
@@ -266,13 +268,15 @@ class Ledger:
 
 
 NO_LOSS_SCALED_ON_JAX = (
-    "stateless_apply() takes the gradients of optimizer.scale_loss(loss) and "
-    "unscales them, but no loss was scaled in this step: kmp cannot tell "
-    "whether these gradients are scaled, and on JAX it cannot read that from "
-    "the step. Scale the loss inside the function jax.value_and_grad "
-    "differentiates: loss = optimizer.scale_loss(loss) (in a train_step, "
-    "self.optimizer.scale_loss, inside a keras.StatelessScope over the "
-    "optimizer's state: see the JAX page of kmp's docs)."
+    "The optimizer takes the gradients of optimizer.scale_loss(loss) and "
+    "unscales them, but no loss was scaled since its last apply: kmp cannot "
+    "tell whether these gradients are scaled, and on JAX it cannot read that "
+    "from the step. Scale the loss inside the function jax.value_and_grad "
+    "differentiates, traced with this apply: loss = optimizer.scale_loss(loss) "
+    "(in a train_step, self.optimizer.scale_loss, inside a keras.StatelessScope "
+    "over the optimizer's state: see the JAX page of kmp's docs). Or say which "
+    "they are: stateless_apply(..., scaled=True) for the gradients of a loss "
+    "scaled in another function, scaled=False for those of a loss never scaled."
 )
 
 

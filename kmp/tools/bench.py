@@ -624,5 +624,7 @@ def to_json(results: Sequence[BenchResult]) -> str:
     for r in results:
         row = dataclasses.asdict(r)
         row["step_ms"] = [round(t, 3) for t in r.step_ms]
+        if r.failed:  # its figures are NaN, which JSON cannot hold
+            row = {k: None if v != v else v for k, v in row.items()}
         rows.append(row)
     return json.dumps(rows, indent=2)

@@ -178,11 +178,12 @@ class StallCheck:
         return in_a_row, f"with the loss scale at its floor ({scale:g})"
 
 
-def _loss_finite(opt: LossScaleOptimizer, loss: Any) -> bool | None:
-    """Whether the loss was finite at the last skipped step; None where kmp
-    did not see it. On JAX, where kmp records no loss apart, read from
-    `loss`, the epoch's mean loss in the step's logs: finite only where
-    every step's loss was."""
+def loss_finite(opt: LossScaleOptimizer, loss: Any) -> bool | None:
+    """Whether `opt`'s loss was finite at its last skipped step; None where
+    kmp did not see it. On JAX, where kmp records no loss apart, read from
+    `loss`, the epoch's mean loss in a step's logs: finite only where every
+    step's loss was (a non-finite one is taken for a forward overflow).
+    `kmp.callbacks.NonFiniteGuard` asks the same."""
     if keras.backend.backend() == "jax":
         return None if loss is None else bool(np.isfinite(float(loss)))
     if not opt._loss_recorded:
@@ -201,9 +202,9 @@ def _error(
     """The error for `opt` (`label`: its name where there are several),
     which skipped `in_a_row` steps in a row (`why`: with what scale).
     `loss`: on JAX, the mean loss in the last step's logs."""
-    loss_finite = _loss_finite(opt, loss)
-    forward = loss_finite is False
-    if loss_finite is None:
+    finite = loss_finite(opt, loss)
+    forward = finite is False
+    if finite is None:
         cause = (
             "The gradients are inf/NaN. kmp did not see the loss: the "
             "train_step does not call optimizer.scale_loss."

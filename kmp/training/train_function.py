@@ -127,7 +127,8 @@ class TrainFunction:
         """One call from `fit` or `train_on_batch`. On TensorFlow it takes
         `(iterator)` and returns the logs; on JAX `(state, iterator)` and
         returns `(logs, state)`, as Keras's own function does."""
-        state, iterator = args if len(args) == 2 else (None, args[0])
+        jax = keras.backend.backend() == "jax"
+        state, iterator = args if jax else (None, args[0])
         model = self._model()
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, LossScaleOptimizer) and (
@@ -403,7 +404,7 @@ def _warn_of_dead_adapters(model: keras.Model, state: tuple) -> None:
 
 def _jax_state(args: tuple) -> Any:
     """The state of a call on JAX, `(state, iterator)`; None on TensorFlow."""
-    return args[0] if len(args) == 2 else None
+    return args[0] if keras.backend.backend() == "jax" else None
 
 
 def _from_fit(iterator: Any) -> bool:

@@ -17,10 +17,11 @@ def gpu_compute_capabilities() -> list[tuple[str, tuple[int, int]]]:
     """Each visible GPU's name and compute capability (`(8, 0)`)."""
     found = []
     for device in _devices("gpu"):
-        capability = getattr(device, "compute_capability", None)
-        if capability is not None:
-            major, minor = str(capability).split(".")[:2]
-            found.append((device.device_kind, (int(major), int(minor))))
+        capability = str(getattr(device, "compute_capability", ""))
+        parts = capability.split(".")
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            # CUDA's "8.0"; ROCm's "gfx90a" is no compute capability.
+            found.append((device.device_kind, (int(parts[0]), int(parts[1]))))
     return found
 
 
