@@ -590,3 +590,21 @@ def test_a_loss_scaled_in_another_jitted_function_is_stated_with_scaled_true():
 def gradients_unscaled(model, trainable, non_trainable, x, y):
     y_pred, _ = model.stateless_call(trainable, non_trainable, x)
     return keras.ops.mean((y - keras.ops.cast(y_pred, "float32")) ** 2)
+
+
+def test_auto_picks_float32_on_a_cpu_whatever_its_16_bit_math():
+    from kmp.diagnostics import doctor as doctor_lib
+    from kmp.precision import auto
+
+    for flags in (frozenset(), frozenset({"amx_bf16", "avx512_fp16"})):
+        choice = auto.choose_policy([], flags, backend="jax")
+        assert choice.policy == "float32"
+        assert "slower than float32" in choice.reason
+    # A GPU still decides as on TensorFlow.
+    h100 = [("H100", (9, 0))]
+    assert auto.choose_policy(h100, frozenset(), backend="jax").policy == (
+        "mixed_bfloat16"
+    )
+    assert kmp.set_policy("auto").name == "float32"  # this machine has no GPU
+    caps = kmp.hardware.capabilities()
+    assert "No fast 16-bit path on Keras's jax" in doctor_lib.fast_path(caps)

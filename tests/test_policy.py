@@ -164,7 +164,9 @@ def test_auto_resolves_from_this_machines_cpu_flags():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
     fast = "amx_bf16" in flags or "avx512_bf16" in flags
-    expected = "mixed_bfloat16" if fast else "float32"
+    # On JAX's CPU code no 16-bit policy is faster: 'auto' picks float32.
+    tensorflow = keras.backend.backend() == "tensorflow"
+    expected = "mixed_bfloat16" if fast and tensorflow else "float32"
     assert kmp.set_policy("auto").name == expected
     assert kmp.get_policy().name == expected
 

@@ -153,5 +153,8 @@ def resolve_auto() -> AutoChoice:
         return AutoChoice(override, "Set by the KMP_POLICY environment variable.")
     caps = capabilities()
     return choose_policy(
-        [(g.name, g.compute_capability) for g in caps.gpus], caps.cpu.flags, caps.tpus
+        [(g.name, g.compute_capability) for g in caps.gpus],
+        caps.cpu.flags,
+        caps.tpus,
+        backend=keras.backend.backend(),
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import keras
+
 from kmp.backend import fused
 from kmp.backend import grappler
 from kmp.backend import machine
@@ -50,6 +52,12 @@ def fast_path(caps: Capabilities) -> str:
             "mixed precision saves memory here but little time."
         )
     flags = caps.cpu.flags
+    if keras.backend.backend() != "tensorflow":
+        return (
+            f"No fast 16-bit path on Keras's {keras.backend.backend()} backend "
+            "without GPUs or TPUs: XLA's CPU code runs bfloat16 and float16 "
+            "slower than float32, even on CPUs with 16-bit math."
+        )
     if "amx_bf16" in flags:
         line = (
             "Fast path: AMX-BF16 (bfloat16 matrix units) on this CPU: bfloat16 "
@@ -194,7 +202,6 @@ def doctor() -> DoctorReport:
     >>> report.auto.policy in ("float32", "mixed_float16", "mixed_bfloat16")
     True
     """
-    import keras
     import tensorflow as tf
 
     from kmp.version import __version__

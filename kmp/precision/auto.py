@@ -15,11 +15,17 @@ class AutoChoice:
 
 
 def choose_policy(
-    gpus: list[tuple[str, tuple[int, int]]], flags: frozenset[str], tpus: int = 0
+    gpus: list[tuple[str, tuple[int, int]]],
+    flags: frozenset[str],
+    tpus: int = 0,
+    backend: str = "tensorflow",
 ) -> AutoChoice:
-    """The `'auto'` rule, as a pure function of what the machine has.
+    """The `'auto'` rule, as a pure function of what the machine has and
+    which Keras backend runs.
 
-    TPUs first, then GPUs (the weakest GPU decides), then the CPU.
+    TPUs first, then GPUs (the weakest GPU decides), then the CPU. On a CPU,
+    only TensorFlow's runs bfloat16 math faster than float32: XLA's CPU code
+    under JAX ran every 16-bit policy slower, even with AMX (`kmp bench`).
     """
     if tpus:
         return AutoChoice(
@@ -45,6 +51,12 @@ def choose_policy(
             "Tensor Cores; mixed precision would not be faster.",
         )
     fast_bf16 = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if backend != "tensorflow":
+        return AutoChoice(
+            "float32",
+            f"No GPU or TPU, and on Keras's {backend} backend XLA's CPU code "
+            "runs 16-bit math slower than float32, whatever the CPU has.",
+        )
     if fast_bf16:
         return AutoChoice(
             "mixed_bfloat16",
