@@ -272,9 +272,10 @@ NO_LOSS_SCALED_ON_JAX = (
     "unscales them, but no loss was scaled since its last apply: kmp cannot "
     "tell whether these gradients are scaled, and on JAX it cannot read that "
     "from the step. Scale the loss inside the function jax.value_and_grad "
-    "differentiates, traced with this apply: loss = optimizer.scale_loss(loss) "
-    "(in a train_step, self.optimizer.scale_loss, inside a keras.StatelessScope "
-    "over the optimizer's state: see the JAX page of kmp's docs). Or say which "
+    "differentiates, traced with this apply: loss = optimizer.scale_loss(loss). "
+    "In a train_step, call self.optimizer.scale_loss inside a "
+    "keras.StatelessScope over the optimizer's state (kmp's docs, the JAX "
+    "page, show how). Or say which "
     "they are: stateless_apply(..., scaled=True) for the gradients of a loss "
     "scaled in another function, scaled=False for those of a loss never scaled."
 )

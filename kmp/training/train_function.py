@@ -173,13 +173,15 @@ class TrainFunction:
             self._stall_check.queue(model, state)
         if not isinstance(logs, dict):
             return result
+        extra = None
         if self._adds is None:
             self._per_epoch = self._epoch_check(model)
-            wanted = self._logs(model, self._per_epoch, state)
-            self._adds = any(key not in logs for key in wanted)
+            extra = self._logs(model, self._per_epoch, state)
+            self._adds = any(key not in logs for key in extra)
         if not self._adds:
             return result
-        extra = self._logs(model, self._per_epoch, state)
+        if extra is None:  # read once a call (on JAX, one copy of the state)
+            extra = self._logs(model, self._per_epoch, state)
         logs = {**logs, **{k: v for k, v in extra.items() if k not in logs}}
         return logs if state is None else (logs, state)
 
