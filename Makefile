@@ -8,10 +8,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 COMPILED := $(VENV)/.compiled
-# What runs a second time, under Keras's JAX backend: the JAX tests and the
-# test files that pass on either backend.
+# What runs a second time, under Keras's JAX backend, where importing
+# TensorFlow fails (conftest.py): the JAX tests and the test files that pass
+# on either backend.
 JAX_TESTS := tests/test_jax.py tests/test_policy.py tests/test_traversal.py \
-	tests/test_layers.py
+	tests/test_layers.py tests/test_api.py
 
 .PHONY: test demo lint docs clean
 
@@ -46,7 +47,8 @@ lint: $(STAMP)
 # one of its processes compiles, the others do not compile again. Lint and
 # the compile of what the suite imports take one core each, side by side.
 # Then the JAX tests run once more under Keras's JAX backend, in one process
-# with two host devices (for a two-device mesh).
+# with two host devices (for a two-device mesh), as where TensorFlow is not
+# installed.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 lint $(COMPILED)
 	PYTHONDONTWRITEBYTECODE= TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -n auto --dist loadgroup

@@ -1,7 +1,9 @@
 """Test set-up shared by the suite and the docstring examples."""
 
 import gc
+import importlib.abc
 import os
+import sys
 
 import pytest
 
@@ -14,14 +16,38 @@ tf = keras = np = kmp = policy_lib = None
 
 
 def pytest_collectstart(collector):
-    if tf is None:
+    if kmp is None:
         _start_tensorflow()
+
+
+class _NoTensorFlow(importlib.abc.MetaPathFinder):
+    """Fails every import of TensorFlow, as where it is not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" or name.startswith("tensorflow."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
 
 
 def _start_tensorflow():
     """Imports TensorFlow, Keras and kmp for the tests, before the first
-    test module is imported."""
+    test module is imported. Under Keras's JAX backend the tests run as on a
+    machine without TensorFlow: kmp must not need it there."""
     global tf, keras, np, kmp, policy_lib
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        sys.meta_path.insert(0, _NoTensorFlow())
+    else:
+        _configure_tensorflow()
+
+    import keras
+    import numpy as np
+
+    import kmp
+    from kmp.precision import policy as policy_lib
+
+
+def _configure_tensorflow():
+    global tf
     import tensorflow as tf
 
     # Two logical CPUs, so that MirroredStrategy tests have two replicas.
@@ -39,12 +65,6 @@ def _start_tensorflow():
     tf.config.list_physical_devices()
     # float32 references must be float32: no TF32 on GPUs that have it.
     tf.config.experimental.enable_tensor_float_32_execution(False)
-
-    import keras
-    import numpy as np
-
-    import kmp
-    from kmp.precision import policy as policy_lib
 
 
 _MIRRORED = []

@@ -162,16 +162,16 @@ def _sieve(source: BinaryIO, sink: TextIO) -> None:
 
 
 def start_tensorflow(for_life: bool = False) -> None:
-    """Imports TensorFlow and Keras and starts TensorFlow's runtime, printing
-    no start-up notices (see the module's docstring). Once per process:
-    later calls return at once.
+    """Imports Keras, and with its TensorFlow backend starts TensorFlow's
+    runtime, printing no start-up notices (see the module's docstring). Once
+    per process: later calls return at once.
 
     Args:
         for_life: Keep filtering standard error until the process exits (a
             child process whose output is another process's progress),
             instead of only during the start-up.
     """
-    if "tensorflow" in sys.modules:
+    if "keras" in sys.modules:
         return
     active = _Filter()
     if for_life and active.start():
@@ -184,10 +184,12 @@ def start_tensorflow(for_life: bool = False) -> None:
 
 
 def _import_and_list_devices() -> None:
-    import keras  # noqa: F401
-    import tensorflow as tf
+    import keras
 
-    tf.config.list_physical_devices()
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """kmp on Keras's JAX backend: `make test` runs this file a second time,
 in a process of its own, with `KERAS_BACKEND=jax` and two host devices
-(`XLA_FLAGS=--xla_force_host_platform_device_count=2`)."""
+(`XLA_FLAGS=--xla_force_host_platform_device_count=2`). That process cannot
+import TensorFlow (see conftest.py), as where it is not installed."""
 
+import os
 import pathlib
 import re
 import runpy
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -45,6 +49,36 @@ def data(n=64, poison=None):
 
 def values(variables):
     return [np.array(v.numpy()) for v in variables]
+
+
+def test_these_tests_run_as_where_tensorflow_is_not_installed():
+    with pytest.raises(ModuleNotFoundError, match="tensorflow"):
+        import tensorflow  # noqa: F401
+
+
+def test_kmp_imports_and_trains_without_importing_an_installed_tensorflow():
+    # A fresh process, where TensorFlow is installed and not blocked.
+    code = (
+        "import sys, keras, numpy as np, kmp\n"
+        "kmp.set_policy('mixed_float16')\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+        "kmp.compile(model, 'adam', 'mse', metrics=['mae'])\n"
+        "model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0,\n"
+        "          callbacks=[kmp.callbacks.NonFiniteGuard()])\n"
+        "model.predict(np.ones((2, 4)), verbose=0)\n"
+        "print(kmp.precision_report(model))\n"
+        "print('tensorflow' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "KERAS_BACKEND": "jax"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"
 
 
 def test_fit_logs_the_scale_and_the_skipped_steps():
@@ -608,3 +642,31 @@ def test_auto_picks_float32_on_a_cpu_whatever_its_16_bit_math():
     assert kmp.set_policy("auto").name == "float32"  # this machine has no GPU
     caps = kmp.hardware.capabilities()
     assert "No fast 16-bit path on Keras's jax" in doctor_lib.fast_path(caps)
+
+
+def test_kmps_lean_layers_compute_as_keras_s_own_on_jax():
+    # Their lean computation is TensorFlow's; on JAX each is Keras's layer.
+    kmp.set_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
+    pairs = [
+        (keras.layers.LayerNormalization, kmp.layers.LayerNormalization, {}),
+        (keras.layers.BatchNormalization, kmp.layers.BatchNormalization, {}),
+        (
+            keras.layers.MultiHeadAttention,
+            kmp.layers.MultiHeadAttention,
+            {"num_heads": 2, "key_dim": 4},
+        ),
+    ]
+    for keras_class, kmp_class, config in pairs:
+        theirs, ours = keras_class(**config), kmp_class(**config)
+        args = (x, x) if config else (x,)
+        kwargs = (
+            {"training": True} if kmp_class is kmp.layers.BatchNormalization else {}
+        )
+        theirs(*args, **kwargs)
+        ours(*args, **kwargs)
+        ours.set_weights(theirs.get_weights())
+        expected = keras.ops.convert_to_numpy(theirs(*args, **kwargs))
+        got = keras.ops.convert_to_numpy(ours(*args, **kwargs))
+        assert got.dtype == expected.dtype == np.float16, kmp_class.__name__
+        np.testing.assert_array_equal(got, expected, err_msg=kmp_class.__name__)

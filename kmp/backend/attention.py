@@ -16,7 +16,10 @@ them.
 
 from __future__ import annotations
 
-import tensorflow as tf
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # TensorFlow is imported where it is used
+    import tensorflow as tf
 
 # What Keras's masking puts in place of a masked float32 logit.
 _MASKED_LOGIT = -0.7 * 3.38953e38
@@ -53,6 +56,8 @@ def dot_product_attention(
     Returns:
         `[batch, queries, heads, depth]` in the inputs' dtype.
     """
+    import tensorflow as tf
+
     logits = tf.einsum("BTNH,BSNH->BNTS", query, key, optimize="optimal")
     probabilities = _softmax(logits, mask, scale)
     return tf.einsum("BNTS,BSNH->BTNH", probabilities, value, optimize="optimal")
@@ -62,6 +67,8 @@ def _softmax(logits: tf.Tensor, mask: tf.Tensor | None, scale: float) -> tf.Tens
     """`softmax(scale * logits)` over the last axis, masked where `mask` is
     False, computed in float32 and returned in `logits`' dtype, with a
     gradient that reads that 16-bit result."""
+    import tensorflow as tf
+
     forward = {}
     # Read here, not from `logits` in the gradient: eagerly, that would
     # hold the logits until the backward pass.

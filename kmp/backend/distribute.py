@@ -5,7 +5,9 @@ optimizer agrees on one finite/non-finite decision per step (`agree`, an
 all-reduce of the per-gradient flags), applies the step and moves its single
 mirrored state once (`step_if_finite`); `kmp.debug.verify_replicas`
 (`kmp.diagnostics.replicas`) checks that, on demand. This is the TensorFlow
-edge of kmp's loss scaling.
+edge of kmp's loss scaling. On other Keras backends there is no strategy:
+`agree`, `in_multi_replica_context` and `check_build` have nothing to do
+(JAX's finite check over sharded arrays is already global).
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
-
-from kmp.internals import tensorflow_private
+import keras
 
 
 def agree(flags: Any):
@@ -23,6 +23,10 @@ def agree(flags: Any):
     all-reduce SUM of the non-finite counts), so that every replica makes the
     same decision. Outside a multi-replica context it returns them unchanged.
     """
+    if keras.backend.backend() != "tensorflow":
+        return flags
+    import tensorflow as tf
+
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return flags
@@ -32,8 +36,22 @@ def agree(flags: Any):
     return tf.equal(bad, 0.0)
 
 
+def replicas() -> int:
+    """The number of replicas of the tf.distribute strategy in force (1
+    without one, and on other Keras backends)."""
+    if keras.backend.backend() != "tensorflow":
+        return 1
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
 def in_multi_replica_context() -> bool:
     """Whether code runs inside `strategy.run` with more than one replica."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
     context = tf.distribute.get_replica_context()
     return (
         tf.distribute.has_strategy()
@@ -47,6 +65,10 @@ def check_build(inner_optimizer: Any) -> None:
     where the strategy in force cannot run it: inside `strategy.run` (once
     per replica), or with Keras's gradient accumulation on several
     replicas."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    import tensorflow as tf
+
     if in_multi_replica_context():
         raise RuntimeError(
             "kmp.LossScaleOptimizer is being built inside strategy.run, once "
@@ -89,6 +111,10 @@ def step_if_finite(
     update then run once, in cross-replica context, and each replica applies
     inside it.
     """
+    import tensorflow as tf
+
+    from kmp.internals import tensorflow_private
+
     context = tf.distribute.get_replica_context()
     needs_merge = (
         context is not None

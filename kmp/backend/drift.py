@@ -31,7 +31,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from kmp.backend import float32_pass
 from kmp.backend import tracing
@@ -139,6 +138,8 @@ def _boundaries(model, graph) -> dict[str, dict]:
     16-bit on the way in ('cast'); the paths of the layers that computed
     its 16-bit inputs ('by'); whether it draws random numbers ('random');
     and the layer."""
+    import tensorflow as tf
+
     ops = [op for op in graph.get_operations() if op.type not in _NOT_COMPUTED]
     chains = tracing.owners(model, [op.name for op in graph.get_operations()])
     owner = {name: (chain[-1] if chain else None) for name, chain in chains.items()}
@@ -189,6 +190,8 @@ def _run(model, inputs, wanted: list[str] | None):
     """Runs `model(inputs)` traced; returns the layers' boundaries as traced
     and the float32 values of the tensors named in `wanted` (of every
     boundary tensor where None)."""
+    import tensorflow as tf
+
     found: dict[str, dict] = {}
     names: list[str] = []
 
@@ -263,6 +266,11 @@ def layer_drift(model: keras.layers.Layer, x: Any) -> Drifts:
     dtype = next((d for d in policy_lib.SIXTEEN_BIT if d in sixteen), "")
     if not dtype:
         return Drifts((), "")
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        return Drifts((), dtype, tracing.NOT_ON_THIS_BACKEND.format(backend))
+    import tensorflow as tf
+
     inputs = keras.tree.map_structure(tf.convert_to_tensor, x)
     try:
         if not model.built:

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 
 def _finite(x: Any):
@@ -30,6 +29,10 @@ def _values(t: Any):
     indices; any inf/NaN row makes it non-finite, and the only per-index
     overflow it can miss needs values near float32's limit (~1e38) that
     cancel across indices."""
+    if keras.backend.backend() != "tensorflow":
+        return t
+    import tensorflow as tf
+
     if isinstance(t, tf.IndexedSlices):
         if t.values.dtype in (tf.float32, tf.float64):
             return t.values

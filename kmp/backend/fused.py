@@ -68,7 +68,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import machine
 from kmp.internals import tensorflow_private
@@ -133,6 +132,8 @@ def weights_of(variables: Any) -> int | None:
     """The number of weights in `variables` (the sum of their sizes), or
     None when a shape is not fully known (such an update is not fused by
     default: XLA needs static shapes)."""
+    import tensorflow as tf
+
     total = 0
     for variable in variables:
         shape = tf.TensorShape(variable.shape)
@@ -194,6 +195,8 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
                 "fused_update=None (the default) or False."
             )
         return False
+    import tensorflow as tf
+
     if tf.distribute.has_strategy():
         if setting:
             raise ValueError(
@@ -235,6 +238,8 @@ class FusedApply:
         self._functions: dict[tuple[int, ...] | None, Any] = {}
 
     def __call__(self, grads: list, variables: list | None, run: Any = True) -> None:
+        import tensorflow as tf
+
         function = self._function(variables)
         shapes = [None] * len(grads) if variables is None else variables
         function(
@@ -253,6 +258,8 @@ class FusedApply:
         it, that memory is reused by the step (the source tree's benchmarks
         measure both). Eager only.
         """
+        import tensorflow as tf
+
         key = tuple(id(v) for v in variables)
         if key in self._functions:
             return False
@@ -261,6 +268,8 @@ class FusedApply:
         return True
 
     def _function(self, variables: list | None) -> Any:
+        import tensorflow as tf
+
         key = None if variables is None else tuple(id(v) for v in variables)
         function = self._functions.get(key)
         if function is None:
@@ -289,6 +298,10 @@ def compile_ahead(optimizer: Any, variables: Any) -> bool:
         Whether it compiled: False where the update is not fused here, or
         was compiled already.
     """
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
     variables = list(variables)
     if not (
         variables
@@ -305,6 +318,8 @@ def _dense_gradient(gradient: Any, variable: Any = None) -> Any:
     """A sparse gradient (`tf.IndexedSlices`) as the dense tensor Keras's
     own optimizers turn it into (rows summed per index), of `variable`'s
     static shape when given; any other gradient as it is."""
+    import tensorflow as tf
+
     if not isinstance(gradient, tf.IndexedSlices):
         return gradient
     dense = tf.convert_to_tensor(gradient)

@@ -1,10 +1,14 @@
 """Reading the graph being traced: whether it assigns a variable (Keras's
 own loss-scale wrapper updates its scale in every train step, never in
-evaluation), through TensorFlow's public graph API."""
+evaluation), through TensorFlow's public graph API; and where values can be
+read while it is traced."""
 
 from __future__ import annotations
 
-import tensorflow as tf
+import contextlib
+from typing import Any
+
+import keras
 
 # Ops that hand a variable's handle to code that may assign it: the assign
 # itself, and the control-flow and function-call ops whose bodies (branches,
@@ -30,6 +34,8 @@ def assigned_here(variable) -> bool:
     """Whether the graph being built assigns `variable`, or hands it to a
     branch, loop or nested function that may. Eagerly, with no graph to
     read, True."""
+    import tensorflow as tf
+
     if tf.executing_eagerly():
         return True
     graph = tf.compat.v1.get_default_graph()
@@ -54,3 +60,14 @@ def _inside(graph, handle) -> set[int]:
         for external, internal in getattr(graph, "captures", ())
         if id(external) in ids
     }
+
+
+def init_scope() -> Any:
+    """A scope where variables' values are read eagerly, also while a
+    TensorFlow step is traced (`tf.init_scope`). On other Keras backends,
+    none: kmp reads values there before the step, where they are."""
+    if keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    return tf.init_scope()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import os
 
@@ -158,3 +159,17 @@ def resolve_auto() -> AutoChoice:
         caps.tpus,
         backend=keras.backend.backend(),
     )
+
+
+def tensorflow_version() -> str:
+    """TensorFlow's version. On another Keras backend it is read without
+    importing TensorFlow (a JAX user may have none): 'not installed' where
+    there is none."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.__version__
+    try:
+        return importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

@@ -16,15 +16,20 @@ float32.
 
 from __future__ import annotations
 
-import tensorflow as tf
+from typing import TYPE_CHECKING
 
-SIXTEEN_BIT = (tf.float16, tf.bfloat16)
+if TYPE_CHECKING:  # TensorFlow is imported where it is used
+    import tensorflow as tf
+
+SIXTEEN_BIT = ("float16", "bfloat16")
 
 
 def scale_and_offset(layer, size: int) -> tuple[tf.Tensor, tf.Tensor]:
     """A Keras normalization layer's `gamma` and `beta` as float32 tensors,
     or ones and zeros of `size` where it has none (`scale=False`,
     `center=False`)."""
+    import tensorflow as tf
+
     scale = (
         tf.convert_to_tensor(layer.gamma)
         if layer.scale
@@ -44,7 +49,7 @@ def fusable(x: tf.Tensor, axis: int) -> bool:
     known."""
     rank = x.shape.rank
     return (
-        x.dtype in SIXTEEN_BIT
+        x.dtype.name in SIXTEEN_BIT
         and rank is not None
         and rank >= 2
         and axis in (-1, rank - 1)
@@ -75,6 +80,8 @@ def batch_normalization(
         variance is the biased one (divided by the count, not the count
         less one), as Keras's `BatchNormalization` computes it.
     """
+    import tensorflow as tf
+
     channels = x.shape[-1]
     shape = tf.shape(x)
     # FusedBatchNormV3 takes 4-D NHWC; every axis but the channels' folds
@@ -117,6 +124,7 @@ def layer_normalization(
         scale, offset: float32, one value per feature of the last axis.
         epsilon: Added to the variance.
     """
+    import tensorflow as tf
 
     def statistics(wide):
         mean, variance = tf.nn.moments(wide, axes=[-1], keepdims=True)

@@ -23,7 +23,6 @@ import weakref
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.backend.jax import state as jax_state
 from kmp.precision import policy as policy_lib
@@ -83,6 +82,8 @@ def _cast(inner: Any, model: keras.Model, jax: bool) -> Any:
 
     if model.run_eagerly:
         return cast
+    import tensorflow as tf
+
     return tf.function(cast, reduce_retracing=True, autograph=False)
 
 

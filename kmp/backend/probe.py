@@ -21,18 +21,16 @@ masks).
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from kmp.backend import tracing
 
-_SIXTEEN = (tf.float16, tf.bfloat16)
+_SIXTEEN = ("float16", "bfloat16")
 
 
 def _candidate(op) -> bool:
     """An op that computes a 16-bit value (a cast to 16-bit included): a
     float32 op cannot overflow float16, and its infinities are deliberate
     (a `-inf` mask) or float32's own."""
-    if not op.outputs or op.outputs[0].dtype not in _SIXTEEN:
+    if not op.outputs or op.outputs[0].dtype.name not in _SIXTEEN:
         return False
     if op.type == "Cast":
         return True
@@ -45,6 +43,8 @@ class ForwardProbe:
     any traced function."""
 
     def __init__(self):
+        import tensorflow as tf
+
         self.first = tf.Variable(-1, dtype=tf.int64, trainable=False)
         # The largest finite |activation| of the layers `measure` names.
         self.peak = tf.Variable(0.0, dtype=tf.float32, trainable=False)
@@ -62,6 +62,8 @@ class ForwardProbe:
         self.peak.assign(0.0)
 
     def __call__(self, loss) -> None:
+        import tensorflow as tf
+
         ops = [op for op in loss.graph.get_operations() if _candidate(op)]
         if not ops:
             return
@@ -82,6 +84,8 @@ class ForwardProbe:
             self._measure_peak(loss.graph)
 
     def _measure_peak(self, graph) -> None:
+        import tensorflow as tf
+
         ops = [
             op
             for op in graph.get_operations()

@@ -24,7 +24,6 @@ import dataclasses
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import float32_pass
 from kmp.backend import tracing
@@ -105,6 +104,10 @@ def activation_ranges(
     >>> [(layer.path, layer.max_abs) for layer in r.layers]
     [('d', 100000.0)]
     """
+    if keras.backend.backend() != "tensorflow":
+        return Ranges((), tracing.NOT_ON_THIS_BACKEND.format(keras.backend.backend()))
+    import tensorflow as tf
+
     names: list[str] = []
 
     def forward(inputs):

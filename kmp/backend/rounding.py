@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
-
 ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -38,6 +36,8 @@ def to_bfloat16(value: Any, rounding: str, seed: Any = None) -> Any:
     >>> abs(float(tf.reduce_mean(tf.cast(rounded, tf.float32))) - 1.0019531) < 3e-4
     True
     """
+    import tensorflow as tf
+
     value = tf.convert_to_tensor(value, tf.float32)
     if rounding == "nearest":
         return tf.cast(value, tf.bfloat16)

@@ -34,7 +34,6 @@ import sysconfig
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.internals import keras_private
 from kmp.precision import policy as policy_lib
@@ -170,7 +169,7 @@ class Trace:
 
 
 def _input_specs(model):
-    """TensorSpecs of the model's inputs (batch dimension None), or None."""
+    """KerasTensors of the model's inputs (batch dimension None), or None."""
     if isinstance(model, keras.Sequential):
         try:
             structure = model.inputs[0] if model.inputs else None
@@ -190,11 +189,7 @@ def _input_specs(model):
             lambda shape: keras.KerasTensor((None, *shape[1:]), "float32"),
             next(iter(shapes.values())),
         )
-    if structure is None:
-        return None
-    return keras.tree.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), structure
-    )
+    return structure
 
 
 def _no_shapes(model) -> str:
@@ -240,6 +235,8 @@ def trace(model: keras.layers.Layer) -> Trace:
     concrete, error, where = _concrete(model, specs)
     if error:
         return Trace({}, error=error, error_at=where)
+    import tensorflow as tf
+
     graph = concrete.graph
     paths = {id(site.layer): site.path for site in traversal.walk(model)}
     names: dict[int, dict] = {}  # id(layer) -> {child name: child}
@@ -345,6 +342,9 @@ def _concrete(model, specs):
     (None, why it could not be traced, where in user code)."""
     if keras.backend.backend() != "tensorflow":
         return None, NOT_ON_THIS_BACKEND.format(keras.backend.backend()), ""
+    import tensorflow as tf
+
+    specs = keras.tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), specs)
     try:
         function = tf.function(lambda x: model(x, training=False))
         return function.get_concrete_function(specs), None, ""
@@ -356,7 +356,7 @@ def _concrete(model, specs):
 _LIBRARIES = (
     *(
         os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-        for module in (keras, tf, sys.modules[__name__.split(".")[0]])
+        for module in (keras, sys.modules[__name__.split(".")[0]])
     ),
     sysconfig.get_paths()["stdlib"] + os.sep,
 )
@@ -399,6 +399,16 @@ _WRAPPING = ("Exception encountered", "Arguments received", "\u2022")
 
 # How TensorFlow says that a raw op met mixed float dtypes.
 _MIXED = ("does not match type", "was expected to be a", "that don't all match")
+
+
+def dtype_errors() -> tuple[type[Exception], ...]:
+    """What a call or a trace that mixes float dtypes raises: a `TypeError`,
+    and on TensorFlow its `InvalidArgumentError` too."""
+    if keras.backend.backend() != "tensorflow":
+        return (TypeError,)
+    import tensorflow as tf
+
+    return (TypeError, tf.errors.InvalidArgumentError)
 
 
 def mixes_dtypes(error: BaseException | str) -> bool:
@@ -475,6 +485,8 @@ def forward(model: keras.layers.Layer) -> Forward:
     concrete, error, _ = _concrete(model, specs)
     if error:
         return Forward(error=error)
+    import tensorflow as tf
+
     outputs = tuple(
         t
         for t in keras.tree.flatten(concrete.outputs)

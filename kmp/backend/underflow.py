@@ -29,13 +29,16 @@ from typing import Any
 import keras
 import ml_dtypes
 import numpy as np
-import tensorflow as tf
 
 from kmp._base.table import format_table
 from kmp.backend import float32_pass
 from kmp.backend import tracing
 from kmp.precision import traversal
 
+NOT_ON_THIS_BACKEND = (
+    "kmp reads the gradients with TensorFlow's GradientTape, and Keras runs "
+    "its {} backend here"
+)
 _SIXTEEN = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # The fraction of a layer's gradient values lost that `Underflow.advice`
 # speaks of.
@@ -290,6 +293,12 @@ def gradient_underflow(
             f"scale must be a positive finite number (the loss scale). Received: "
             f"{scale!r}."
         )
+    if keras.backend.backend() != "tensorflow":
+        return Underflow(
+            float(scale), (), NOT_ON_THIS_BACKEND.format(keras.backend.backend())
+        )
+    import tensorflow as tf
+
     x, y, sample_weight = keras.tree.map_structure(
         lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight)
     )

@@ -16,7 +16,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from kmp._base.table import format_table
 from kmp.backend import drift
@@ -178,7 +177,9 @@ def precision_audit(
         )
     if policy is not None and not isinstance(policy, (str, policy_lib.Policy)):
         policy_type = type(policy).__name__
-        if isinstance(policy, (np.ndarray, tf.Tensor, dict, list, tuple)):
+        if isinstance(policy, (np.ndarray, dict, list, tuple)) or keras.ops.is_tensor(
+            policy
+        ):
             raise TypeError(
                 "precision_audit()'s second argument is the policy to audit "
                 f"under; received a {policy_type}. Pass a batch as "
@@ -452,7 +453,8 @@ _PREPARE_FIX = (
 
 
 def _rounded(value: int, dtype: str) -> int:
-    return int(float(tf.cast(tf.cast(float(value), dtype), "float32")))
+    rounded = keras.ops.cast(keras.ops.cast(float(value), dtype), "float32")
+    return int(float(rounded))
 
 
 # --- per-layer risks ------------------------------------------------------------
@@ -628,7 +630,7 @@ def _dtype_error(layer) -> str | None:
         if keras.backend.is_float_dtype(dtype):
             dtype = layer.compute_dtype
         layer(keras.ops.zeros(shape, dtype=dtype))
-    except (tf.errors.InvalidArgumentError, TypeError, ValueError) as e:
+    except (*tracing.dtype_errors(), ValueError) as e:
         return tracing.error_line(e)[:160]
     return None
 

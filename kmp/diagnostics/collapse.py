@@ -68,7 +68,12 @@ def diagnose(
             "Cause: gradient overflow at every scale: the loss is finite, but "
             f"the gradients of {names} are inf/NaN."
         )
-        if probe is not None and probe_targets is not None:
+        # The backward search reads TensorFlow's tape.
+        if (
+            probe is not None
+            and probe_targets is not None
+            and keras.backend.backend() == "tensorflow"
+        ):
             report = debug.find_nonfinite(model, probe, probe_targets)
             if report.found:
                 body += f"\n{report}"

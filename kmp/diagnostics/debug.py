@@ -13,8 +13,8 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from kmp._base import backends
 from kmp.diagnostics import compiled_by
 from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
@@ -315,10 +315,14 @@ def find_nonfinite(
     Args:
         model: A Keras model.
         x: A batch of inputs.
-        y: Optional targets, to search the backward pass too.
+        y: Optional targets, to search the backward pass too (on
+            TensorFlow: the search reads gradients with its tape).
 
     Returns:
         A `NonFiniteReport`; `print()` it.
+
+    Raises:
+        NotImplementedError: for `y` on another Keras backend.
 
     Example:
 
@@ -335,6 +339,13 @@ def find_nonfinite(
         raise TypeError(
             "find_nonfinite() expects a Keras model. Received: "
             f"{model!r} (of type {type(model).__name__})."
+        )
+    if y is not None:
+        backends.require_tensorflow(
+            "find_nonfinite's backward search (its y argument)",
+            "Call kmp.debug.find_nonfinite(model, x) to search the forward "
+            "pass; kmp.debug.last_overflow(model) names the layers whose "
+            "gradients overflowed in the last skipped step.",
         )
     compiled_by.note_compiled_without_kmp(model, "kmp.debug.find_nonfinite")
     if not _finite(_max_abs(x)):
@@ -362,6 +373,8 @@ def find_nonfinite(
         variable = telemetry.loss_scale_of(optimizer)
         if variable is not None:
             scale = float(keras.ops.convert_to_numpy(variable))
+        import tensorflow as tf
+
         with tf.GradientTape(persistent=True) as tape:
             values = probe(x, training=True)
             loss = model.compute_loss(

@@ -202,8 +202,6 @@ def doctor() -> DoctorReport:
     >>> report.auto.policy in ("float32", "mixed_float16", "mixed_bfloat16")
     True
     """
-    import tensorflow as tf
-
     from kmp.version import __version__
 
     caps = machine.capabilities()
@@ -219,7 +217,7 @@ def doctor() -> DoctorReport:
         auto=auto,
         versions={
             "kmp": __version__,
-            "tensorflow": tf.__version__,
+            "tensorflow": machine.tensorflow_version(),
             "keras": keras.__version__,
             "keras backend": keras.backend.backend(),
             **(

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 
-import tensorflow as tf
+if TYPE_CHECKING:  # TensorFlow is imported where it is used
+    import tensorflow as tf
 
 
 class ForwardWatch:
@@ -55,6 +57,8 @@ class ForwardWatch:
     def saw(self, loss: Any, finite: Any, in_scale_loss: bool) -> None:
         """Called by the optimizer with each step's loss (before scaling)
         and whether it is finite, agreed on across replicas."""
+        import tensorflow as tf
+
         if self.counter is not None:
             self.counter.assign_add(tf.cast(tf.logical_not(finite), self.counter.dtype))
         if in_scale_loss and self.probe is not None and not tf.executing_eagerly():

@@ -45,7 +45,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
       names the layers whose gradients overflow, and, with `probe` and
       `probe_targets`, a backward search names the layer that amplifies its
       input the most (exploding weights make their neighbours' gradients
-      overflow).
+      overflow). The backward search reads TensorFlow's tape: on JAX the
+      record alone names the layers.
 
     Under a `kmp.LossScaleOptimizer` in mode `'none'` (bfloat16, float32: no
     scale to lower) it acts after `max_consecutive_skips` skipped steps in a

@@ -51,9 +51,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import TYPE_CHECKING
 
 import keras
-import tensorflow as tf
 
 from kmp._base import backends
 from kmp._base import warn as _warn
@@ -68,6 +68,9 @@ from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.training import attach as attach_lib
 from kmp.training import train_function
+
+if TYPE_CHECKING:  # TensorFlow is imported where it is used
+    import tensorflow as tf
 
 WATCHING = "watching"
 DIAGNOSING = "diagnosing"
@@ -255,6 +258,8 @@ class OverflowHealer(keras.callbacks.Callback):
         return opt
 
     def on_train_begin(self, logs=None):
+        import tensorflow as tf
+
         if tf.distribute.has_strategy() or (
             self.model.distribute_strategy is not tf.distribute.get_strategy()
         ):

@@ -31,8 +31,8 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from kmp._base import backends
 from kmp._base import warn as _warn
 from kmp.internals import keras_private
 
@@ -105,6 +105,8 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
     cannot be built there (a class of one's own that reads its variables'
     values as it builds) is built on the variables themselves, with a
     warning."""
+    import tensorflow as tf
+
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, str):
@@ -160,6 +162,8 @@ def _stand_ins(variables) -> list:
 
 def _device() -> str:
     """The device a step runs on, whose memory is measured."""
+    import tensorflow as tf
+
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 
 
@@ -167,6 +171,8 @@ def _held(grads) -> list:
     """The tensors that gradients, as a step returns them, hold: a dense
     gradient itself, the values and indices of a `tf.IndexedSlices` (an
     embedding's); nothing for None."""
+    import tensorflow as tf
+
     held = []
     for grad in grads:
         if isinstance(grad, tf.IndexedSlices):
@@ -183,6 +189,8 @@ def _smallest_counted(device: str) -> int:
     256 KiB on a CPU (oneDNN's allocator sends smaller requests to a pool it
     does not count), the largest tried where none is seen. Measured once
     per device: the allocator's threshold does not change."""
+    import tensorflow as tf
+
     for size in _PROBE_SIZES:
         before = tf.config.experimental.get_memory_info(device)["current"]
         with tf.device(device):
@@ -199,6 +207,8 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
     and backward pass on `batch`: at least the gradients it returns, which
     are live together at its end (a CPU's count misses tensors under 256
     KiB)."""
+    import tensorflow as tf
+
     variables = model.trainable_variables
 
     @tf.function
@@ -273,6 +283,7 @@ def estimate_memory(
     Raises:
         RuntimeError: where TensorFlow keeps no count of live tensors on
             the device (a CPU with oneDNN turned off).
+        NotImplementedError: on a Keras backend other than TensorFlow.
 
     Example:
 
@@ -287,6 +298,11 @@ def estimate_memory(
     >>> est.total_mb(64) > est.total_mb(32)
     True
     """
+    backends.require_tensorflow(
+        "kmp.debug.estimate_memory, which reads TensorFlow's count of live tensors,",
+        "On JAX, train a few steps and read "
+        "jax.devices()[0].memory_stats()['peak_bytes_in_use'] (GPUs and TPUs).",
+    )
     state = [(v, v.numpy()) for v in model.non_trainable_variables]
     try:
         small, large = (_step_peak(model, make_inputs(n)) for n in PROBE_BATCHES)

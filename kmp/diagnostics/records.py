@@ -1,13 +1,15 @@
 """The loss-scale monitor's records and where they go: `StepRecord`, and its
-writers (TensorBoard scalars, a CSV file, a PNG plot)."""
+writers (TensorBoard scalars, a CSV file, a PNG plot).
+
+TensorBoard's event files are written with TensorBoard's own writer, which
+needs no TensorFlow (on JAX there may be none)."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
 import os
-
-import tensorflow as tf
+import time
 
 PLOT_SIZE_INCHES = (8.0, 5.0)
 PLOT_DPI = 100
@@ -163,9 +165,16 @@ def check_paths(
     log_dir: str | None, csv_path: str | None, plot_path: str | None
 ) -> None:
     """Raises `ValueError` for a destination that cannot be written, and
-    `ImportError` for a plot without matplotlib (before training starts)."""
+    `ImportError` for TensorBoard logs without TensorBoard or a plot without
+    matplotlib (before training starts)."""
     if log_dir is not None:
         _check_writable_dir(log_dir, "log_dir")
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "log_dir needs TensorBoard: pip install tensorboard."
+            ) from e
     if csv_path is not None:
         _check_writable_file(csv_path, "csv_path")
         _check_csv_header(csv_path)
@@ -190,7 +199,9 @@ class RecordWriter:
         self._csv = None
         self._row_at: int | None = None  # where the last CSV row starts
         if log_dir is not None:
-            self._writer = tf.summary.create_file_writer(log_dir)
+            from tensorboard.summary.writer import event_file_writer
+
+            self._writer = event_file_writer.EventFileWriter(log_dir)
         if csv_path is not None:
             new = not os.path.exists(csv_path) or not os.path.getsize(csv_path)
             self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
@@ -241,21 +252,25 @@ class RecordWriter:
             self._write_row(r)
 
     def _write_summaries(self, step: int, values: list, texts: list) -> None:
-        with self._writer.as_default():
-            if values:
-                # One raw Summary per step (TensorBoard reads `simple_value`
-                # scalars): one op per record instead of one per scalar.
-                summary = tf.compat.v1.Summary(
-                    value=[
-                        tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
-                        for tag, value in values
-                    ]
-                )
-                tf.summary.experimental.write_raw_pb(
-                    summary.SerializeToString(), step=step
-                )
-            for tag, text in texts:
-                tf.summary.text(tag, text, step=step)
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.plugins.text import summary_v2 as text_summary
+
+        if not values and not texts:
+            return
+        # One event per step: `simple_value` scalars, which TensorBoard
+        # reads, and text summaries.
+        summary = summary_pb2.Summary(
+            value=[
+                summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                for tag, value in values
+            ]
+        )
+        for tag, text in texts:
+            summary.value.extend(text_summary.text_pb(tag, text).value)
+        self._writer.add_event(
+            event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+        )
 
     def _write_row(self, r: StepRecord) -> None:
         self._csv.writerow(

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
+from kmp._base import backends
 from kmp.scaling import loss_scale as ls
 
 
@@ -26,12 +26,24 @@ def verify_replicas(optimizer: Any) -> int:
     Returns:
         The number of replica copies compared (1 outside a strategy).
 
+    Raises:
+        ReplicaDivergenceError: where the replicas disagree.
+        NotImplementedError: on a Keras backend other than TensorFlow.
+
     Example:
 
     >>> opt = kmp.LossScaleOptimizer("sgd", mode="dynamic")
     >>> kmp.debug.verify_replicas(opt)
     1
     """
+    backends.require_tensorflow(
+        "kmp.debug.verify_replicas, a check of tf.distribute's replicas,",
+        "On JAX the loss-scale state is one array for every device, and the "
+        "finite check reads the whole sharded gradients: there are no "
+        "replicas to compare.",
+    )
+    import tensorflow as tf
+
     if not isinstance(getattr(optimizer, "_scale", None), ls.LossScale):
         raise TypeError(
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "

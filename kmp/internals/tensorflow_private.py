@@ -6,13 +6,13 @@ optimizers read it)."""
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from kmp.internals.changed import changed
 
 
 def op_determinism_enabled() -> bool:
     """Whether `tf.config.experimental.enable_op_determinism()` is in force."""
+    import tensorflow as tf
+
     try:
         from tensorflow.python.framework import config
     except ImportError as e:
@@ -37,6 +37,8 @@ def op_determinism_enabled() -> bool:
 def strategy_supports_no_merge_call() -> bool:
     """Whether the `tf.distribute` strategy in force applies updates in
     replica context, with no merge call."""
+    import tensorflow as tf
+
     distribute = getattr(getattr(tf, "__internal__", None), "distribute", None)
     if not hasattr(distribute, "strategy_supports_no_merge_call"):
         raise changed(

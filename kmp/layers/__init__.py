@@ -4,6 +4,8 @@
 Keras's keep a float32 copy. `MultiHeadAttention` and `GroupQueryAttention`
 keep their 16-bit attention probabilities where Keras's keep a float32 copy
 beside them. `lean(model)` puts them in place of Keras's in a built model.
+Their lean computations are TensorFlow's: on Keras's JAX backend each
+computes as Keras's own layer.
 """
 
 from kmp.layers.batch_normalization import BatchNormalization

@@ -27,7 +27,8 @@ def lean_attention(
     `kmp.backend.attention.dot_product_attention`, or None where Keras's own
     code computes it: where the inputs promote to float32, `keras_path` (the
     caller asks for the scores, or Keras's causal kernel), dropout on the
-    probabilities, projections of another rank than 4, flash attention.
+    probabilities, projections of another rank than 4, flash attention,
+    and on Keras's backends other than TensorFlow.
 
     Args:
         layer: The attention layer (`dropout` and flash attention are read).
@@ -42,7 +43,8 @@ def lean_attention(
     """
     dtype = keras.backend.result_type(query.dtype, key.dtype, value.dtype)
     if (
-        dtype not in policy_lib.SIXTEEN_BIT
+        keras.backend.backend() != "tensorflow"
+        or dtype not in policy_lib.SIXTEEN_BIT
         or keras_path
         or layer.dropout > 0.0
         or len(query.shape) != 4

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
-from kmp.backend import normalization
 from kmp.precision import policy as policy_lib
 
 
@@ -49,6 +47,13 @@ class BatchNormalization(keras.layers.BatchNormalization):
     """
 
     def call(self, inputs, training=None, mask=None):
+        # The fused computation is TensorFlow's: on JAX the layer is Keras's.
+        if keras.backend.backend() != "tensorflow":
+            return super().call(inputs, training=training, mask=mask)
+        import tensorflow as tf
+
+        from kmp.backend import normalization
+
         if (
             mask is not None
             or not fusable_settings(self)

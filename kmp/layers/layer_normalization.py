@@ -43,7 +43,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
     """
 
     def call(self, inputs):
-        if not (fusable_settings(self) and _over_last_axis(self, inputs)):
+        # kmp's computation is TensorFlow's: on JAX the layer is Keras's.
+        if keras.backend.backend() != "tensorflow" or not (
+            fusable_settings(self) and _over_last_axis(self, inputs)
+        ):
             return super().call(inputs)
         features = inputs.shape[-1]
         scale, offset = normalization.scale_and_offset(self, features)

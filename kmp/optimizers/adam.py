@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp._base import backends
 from kmp.backend import rounding as rounding_lib
@@ -80,6 +79,8 @@ class _HalfState:
 
     def _state_variable(self, variable, name: str):
         """A moment of `variable`, named as Keras names its own."""
+        import tensorflow as tf
+
         path = getattr(variable, "path", None) or str(variable.name)
         dtype = self.state_dtype
         if not keras.backend.is_float_dtype(variable.dtype) or (
@@ -99,6 +100,8 @@ class _HalfState:
 
     def _store(self, slot, value, index: int, which: int) -> None:
         """Writes `value` (the weight's dtype) into the moment `slot`."""
+        import tensorflow as tf
+
         if slot.dtype == value.dtype:
             self.assign(slot, value)
             return

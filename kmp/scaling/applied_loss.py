@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
+
+from kmp.backend import distribute
 
 
 class AppliedLoss:
@@ -76,7 +77,7 @@ def logged(model: Any, metric: Any, opt: Any):
     by `opt` alone: the mean loss of the steps applied this epoch (NaN before
     the first). None where it is not logged: several replicas, no single
     Keras `loss` beside it, or no loss recorded by `opt.scale_loss`."""
-    if model is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+    if model is None or distribute.replicas() > 1:
         return None
     trackers = [
         m

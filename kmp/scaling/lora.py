@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp._base import warn as _warn
+from kmp.backend import graph
 from kmp.precision import quantization
 
 
@@ -29,7 +29,7 @@ def dead_adapters(variables) -> list[str]:
             layer = v.path.rsplit("/", 1)[0]
             factors.setdefault(layer, {})[match.group(2)] = v
     dead = []
-    with tf.init_scope():
+    with graph.init_scope():
         for layer, pair in factors.items():
             if len(pair) == 2 and all(
                 not keras.ops.convert_to_numpy(keras.ops.any(v != 0))

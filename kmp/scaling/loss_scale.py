@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Callable
 
 import keras
-import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.scaling.config import DYNAMIC
@@ -137,11 +136,16 @@ class LossScale:
                 keras.ops.cast(values, "float32") * factor, values.dtype
             )
 
+        sparse = ()  # TensorFlow's sparse gradients, whose values are unscaled
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            sparse = tf.IndexedSlices
         out = []
         for g, v in zip(grads, variables, strict=True):
             if g is None or getattr(v, "overwrite_with_gradient", False):
                 out.append(g)
-            elif isinstance(g, tf.IndexedSlices):
+            elif isinstance(g, sparse):
                 out.append(tf.IndexedSlices(times(g.values), g.indices, g.dense_shape))
             else:
                 out.append(times(g))

@@ -22,7 +22,6 @@ import functools
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import distribute
 from kmp.backend import finite as finite_lib
@@ -211,6 +210,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `'none'`). `float()` of it works under a distribution strategy too,
         where the variable (`dynamic_scale`) refuses it."""
         if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
             return tf.convert_to_tensor(self._scale.value)
         return self._scale.value.value
 

@@ -37,7 +37,6 @@ import weakref
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp.backend import graph
 from kmp.backend.jax import state as jax_state
@@ -120,6 +119,8 @@ class LossScaleTelemetry(keras.metrics.Metric):
             # Inside the JAX step the optimizer's values are not in scope:
             # kmp's train function reads them from the state it returns.
             return {}
+        import tensorflow as tf
+
         optimizers = self._optimizers()
         logs = {}
         trained = False
@@ -146,6 +147,8 @@ class LossScaleTelemetry(keras.metrics.Metric):
 
 def _read(variables: list) -> list:
     """The values of variables, read in the step being traced (TensorFlow)."""
+    import tensorflow as tf
+
     return [tf.convert_to_tensor(v) for v in variables]
 
 

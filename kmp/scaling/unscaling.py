@@ -58,7 +58,6 @@ import weakref
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.internals import keras_private
@@ -80,7 +79,12 @@ class _Context:
 
 def _step_graphs() -> list:
     """The graph being built and those enclosing it, up to its function (a
-    while-loop or cond body belongs to its function); [] when eager."""
+    while-loop or cond body belongs to its function); [] when eager, and on
+    JAX, which traces no TensorFlow graphs."""
+    if keras.backend.backend() != "tensorflow":
+        return []
+    import tensorflow as tf
+
     if tf.executing_eagerly():
         return []
     graph = tf.compat.v1.get_default_graph()
@@ -240,6 +244,8 @@ class Ledger:
             )
         misread = _misread_cases()
         if misread:
+            import tensorflow as tf
+
             raise LossScaleError(
                 "apply() received gradients in a traced step that scaled no "
                 "loss, and kmp cannot tell whether they are scaled on "
@@ -282,6 +288,8 @@ NO_LOSS_SCALED_ON_JAX = (
 
 
 def _tensors(grads) -> list:
+    import tensorflow as tf
+
     out = []
     for g in grads:
         if g is None:
@@ -337,13 +345,21 @@ def _from_a_backward_pass(tensor, source) -> bool:
     return False
 
 
-@tf.autograph.experimental.do_not_convert
 def _computed_without_the_scale(grads, scale_variable) -> bool:
     """Whether every gradient is computed in this step's graphs by a tape's
     backward pass (not an argument, a captured value or a variable's value,
     nor computed from those alone) and none of them reads the loss scale
     (directly, or as an input of a call of another function): then they are
     the gradients of a loss no one scaled."""
+    import tensorflow as tf
+
+    # A walk over graphs in plain Python, which autograph must not convert.
+    walk = tf.autograph.experimental.do_not_convert(_walk_without_the_scale)
+    return walk(grads, scale_variable)
+
+
+def _walk_without_the_scale(grads, scale_variable) -> bool:
+    """`_computed_without_the_scale`'s walk over the step's graphs."""
     graphs = _step_graphs()
     tensors = _tensors(grads)
     if not graphs or not tensors:
@@ -421,6 +437,8 @@ def _misread_cases() -> tuple[str, ...]:
         The cases read wrongly, each with what was read; empty where all
         are right.
     """
+    import tensorflow as tf
+
     read: dict[str, Any] = {}
     try:
         with tf.Graph().as_default():

@@ -199,7 +199,6 @@ def run_one(
     import resource
 
     import keras
-    import tensorflow as tf
 
     import kmp
     from kmp.backend import machine
@@ -239,8 +238,11 @@ def run_one(
     if keras.backend.backend() == "jax":
         if machine.capabilities().gpus:
             gpu_peak = _runs.tensors_peak_mb()
-    elif tf.config.list_physical_devices("GPU"):
-        gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    else:
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
     skipped = getattr(net.optimizer, "skipped_steps_total", None)
     if skipped is not None:
         skipped = int(keras.ops.convert_to_numpy(skipped))

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
+import keras
 
 from kmp._base import backends
 from kmp.scaling import loss_scale as ls
 from kmp.scaling.optimizer import LossScaleOptimizer
 
+if keras.backend.backend() == "tensorflow":
+    from tensorflow import GradientTape as _Tape
+else:  # The class exists on JAX too, and its __init__ refuses it.
+    _Tape = object
 
-class ScaledGradientTape(tf.GradientTape):
+
+class ScaledGradientTape(_Tape):
     """A `tf.GradientTape` whose `gradient()` scales the loss and returns
     unscaled gradients.
 
@@ -96,7 +101,7 @@ class ScaledGradientTape(tf.GradientTape):
         target: Any,
         sources: Any,
         output_gradients: Any = None,
-        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+        unconnected_gradients: Any = "none",  # tf.UnconnectedGradients.NONE
     ) -> Any:
         """Returns the unscaled gradients of `target` with respect to `sources`.
 
@@ -106,6 +111,8 @@ class ScaledGradientTape(tf.GradientTape):
         scales and histories) are returned as Keras computes them, never
         divided.
         """
+        import tensorflow as tf
+
         for t in tf.nest.flatten(target):
             # A 16-bit loss warns once: its gradient starts at the scale, in
             # its dtype.

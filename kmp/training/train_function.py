@@ -59,7 +59,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from kmp._base import warn as _warn
 from kmp.backend import fused
@@ -245,7 +244,7 @@ class TrainFunction:
         built = plan_apply.all_built(model)
         try:
             return self._inner(*args)
-        except (TypeError, tf.errors.InvalidArgumentError) as e:
+        except tracing.dtype_errors() as e:
             if not tracing.mixes_dtypes(e):
                 raise
             outputs = plan_apply.float32_user_outputs(model)
@@ -281,7 +280,7 @@ class TrainFunction:
         and retry."""
         try:
             result = self._inner(*args)
-        except (TypeError, tf.errors.InvalidArgumentError) as e:
+        except tracing.dtype_errors() as e:
             if not tracing.mixes_dtypes(e):
                 raise
             # Kept: the next fit says it again while the change holds.
@@ -414,9 +413,11 @@ def _from_fit(iterator: Any) -> bool:
     JAX both hand over generators, and kmp's telemetry metric reports
     nothing there: every call is taken as fit's, so that train_on_batch
     returns the telemetry as it does on TensorFlow."""
-    return keras.backend.backend() == "jax" or isinstance(
-        iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-    )
+    if keras.backend.backend() == "jax":
+        return True
+    import tensorflow as tf
+
+    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
 def _build(model: keras.Model, iterator: Any) -> None:
@@ -425,9 +426,11 @@ def _build(model: keras.Model, iterator: Any) -> None:
     nothing runs), where they are one tensor or a tuple or list of tensors.
     Without a strategy, Keras builds a model only inside its first traced
     step, after the layers' policies were read."""
-    spec = getattr(iterator, "element_spec", None)
+    spec = getattr(iterator, "element_spec", None)  # a tf.data iterator's
     if spec is None:
         return
+    import tensorflow as tf
+
     x, _, _ = keras.utils.unpack_x_y_sample_weight(spec)
     if isinstance(x, tf.TensorSpec):
         shape = tuple(x.shape)
