@@ -1,4 +1,4 @@
-"""kmp: mixed-precision training for Keras 3 on TensorFlow.
+"""kmp: mixed-precision training for Keras 3 on TensorFlow or JAX.
 
 >>> import kmp
 >>> kmp.set_policy("mixed_bfloat16")

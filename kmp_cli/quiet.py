@@ -8,10 +8,10 @@ instructions the binary could use, and on a machine without an NVIDIA GPU
 failure although nothing failed (as does `E0000 ... oneDNN supports
 DT_HALF only on platforms with AVX-512`, printed later, at the first
 float16 op on a CPU oneDNN has no float16 kernels for). `start_tensorflow`
-imports TensorFlow and Keras and lists the devices (when the runtime
-starts) with standard error passed through a filter that writes back every
-line that is not one of those notices: warnings, errors and anything
-unexpected still show. By default only the start-up is filtered; a
+imports Keras, and under its TensorFlow backend lists the devices (when the
+runtime starts), with standard error passed through a filter that writes
+back every line that is not one of those notices: warnings, errors and
+anything unexpected still show. By default only the start-up is filtered; a
 measured run's own process keeps the filter until it exits
 (`for_life=True`), since TensorFlow may probe a device platform again
 later. Nothing else changes (no logging level is set).

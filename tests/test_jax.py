@@ -56,17 +56,28 @@ def test_these_tests_run_as_where_tensorflow_is_not_installed():
         import tensorflow  # noqa: F401
 
 
-def test_kmp_imports_and_trains_without_importing_an_installed_tensorflow():
-    # A fresh process, where TensorFlow is installed and not blocked.
+def test_kmp_imports_and_trains_without_importing_an_installed_tensorflow(
+    tmp_path,
+):
+    # A fresh process, where TensorFlow is not blocked: where it is
+    # installed, kmp must not import it (seconds, and a GiB, for nothing).
     code = (
-        "import sys, keras, numpy as np, kmp\n"
+        "import importlib.util, sys, keras, numpy as np, kmp\n"
+        "if importlib.util.find_spec('tensorflow') is None:\n"
+        "    sys.exit('TensorFlow is not installed here')\n"
         "kmp.set_policy('mixed_float16')\n"
         "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
         "kmp.compile(model, 'adam', 'mse', metrics=['mae'])\n"
-        "model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0,\n"
-        "          callbacks=[kmp.callbacks.NonFiniteGuard()])\n"
-        "model.predict(np.ones((2, 4)), verbose=0)\n"
-        "print(kmp.precision_report(model))\n"
+        "x, y = np.ones((8, 4)), np.ones((8, 2))\n"
+        "monitor = kmp.callbacks.LossScaleMonitor(\n"
+        f"    log_dir={str(tmp_path / 'tb')!r}, csv_path={str(tmp_path / 'a.csv')!r})\n"
+        "model.fit(x, y, verbose=0,\n"
+        "          callbacks=[monitor, kmp.callbacks.NonFiniteGuard()])\n"
+        "model.evaluate(x, y, verbose=0)\n"
+        "model.predict(x, verbose=0)\n"
+        "print(kmp.precision_report(model, sample=(x, y)))\n"
+        "print(kmp.debug.precision_audit(model, sample=x))\n"
+        "print(kmp.debug.find_nonfinite(model, x), kmp.doctor())\n"
         "print('tensorflow' in sys.modules)\n"
     )
     result = subprocess.run(
@@ -337,8 +348,33 @@ def test_a_non_finite_guard_names_the_layer_whose_gradients_are_nan():
             "Compile without sample=",
         ),
         (lambda m: kmp.optimizers.AdamW(), "keras.optimizers.Adam or AdamW"),
+        (
+            lambda m: kmp.debug.find_nonfinite(m, np.ones((2, 8)), np.ones((2, 1))),
+            "kmp.debug.last_overflow(model)",
+        ),
+        (
+            lambda m: kmp.debug.estimate_memory(m, lambda n: np.ones((n, 8))),
+            "memory_stats()",
+        ),
+        (lambda m: kmp.debug.verify_replicas(m.optimizer), "no replicas to compare"),
+        (
+            lambda m: kmp.callbacks.LossScaleMonitor(
+                underflow_sample=(np.ones((2, 8)), np.ones((2, 1)))
+            ),
+            "Leave underflow_sample out",
+        ),
     ],
-    ids=["tape", "healer", "tf_keras_2_optimizer", "compile_sample", "adam"],
+    ids=[
+        "tape",
+        "healer",
+        "tf_keras_2_optimizer",
+        "compile_sample",
+        "adam",
+        "backward_search",
+        "estimate_memory",
+        "verify_replicas",
+        "underflow_sample",
+    ],
 )
 def test_what_needs_tensorflow_says_so_and_what_to_do_instead(make, instead):
     kmp.set_policy("mixed_float16")

@@ -162,9 +162,9 @@ def resolve_auto() -> AutoChoice:
 
 
 def tensorflow_version() -> str:
-    """TensorFlow's version. On another Keras backend it is read without
-    importing TensorFlow (a JAX user may have none): 'not installed' where
-    there is none."""
+    """TensorFlow's version. On another Keras backend it is read from the
+    installed `tensorflow` distribution, without importing it (a JAX user
+    may have none): 'not installed' where there is none."""
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 

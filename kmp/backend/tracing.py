@@ -352,14 +352,19 @@ def _concrete(model, specs):
         return None, error_line(e), user_line(e)
 
 
-# The code of these packages is not the user's.
-_LIBRARIES = (
-    *(
-        os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-        for module in (keras, sys.modules[__name__.split(".")[0]])
-    ),
-    sysconfig.get_paths()["stdlib"] + os.sep,
-)
+def _libraries() -> tuple[str, ...]:
+    """The directories of code that is not the user's: Keras, kmp,
+    TensorFlow where it was imported (no frame of it otherwise), Python's
+    own library."""
+    packages = [keras, sys.modules[__name__.split(".")[0]]]
+    if "tensorflow" in sys.modules:
+        packages.append(sys.modules["tensorflow"])
+    return (
+        *(os.path.dirname(os.path.abspath(p.__file__)) + os.sep for p in packages),
+        sysconfig.get_paths()["stdlib"] + os.sep,
+    )
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -377,10 +382,11 @@ def user_line(error: BaseException) -> str:
         name = f"{type(owner).__name__}.{code.co_name}" if owner is not None else ""
         frames.append((code.co_filename, tb.tb_lineno, name))
         tb = tb.tb_next
+    libraries = _libraries()
     for filename, line, name in reversed(frames):
         path = os.path.abspath(filename)
         if (
-            path.startswith(_LIBRARIES)
+            path.startswith(libraries)
             or "__autograph_generated" in path
             or f"{os.sep}site-packages{os.sep}" in path
             or f"{os.sep}dist-packages{os.sep}" in path

@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 
+from kmp._base import backends
 from kmp._base import warn as _warn
 from kmp.backend import underflow as underflow_lib
 from kmp.diagnostics import compiled_by
@@ -75,13 +76,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
         every_n_steps: Record every N train steps (skips in between are
             counted, not lost).
         underflow_sample: `(x, y)` or `(x, y, sample_weight)`: a batch to
-            measure gradient underflow on at each epoch's end, or None.
+            measure gradient underflow on at each epoch's end, or None (on
+            Keras's TensorFlow backend: the measure reads its tape).
 
     Raises:
         ValueError: at construction, if a path cannot be written,
             `every_n_steps` is not a positive integer, or `underflow_sample`
             is not a tuple of two or three.
-        ImportError: if `plot_path` is given and matplotlib is missing.
+        ImportError: if `plot_path` is given and matplotlib is missing, or
+            `log_dir` is given and TensorBoard is missing.
+        NotImplementedError: for `underflow_sample` on another Keras
+            backend.
 
     Example:
 
@@ -127,6 +132,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
             raise ValueError(
                 "underflow_sample is a batch to measure gradient underflow on: "
                 f"a tuple (x, y) or (x, y, sample_weight). Received: {received}."
+            )
+        if underflow_sample is not None:
+            backends.require_tensorflow(
+                "LossScaleMonitor(underflow_sample=...), which measures "
+                "gradient underflow with TensorFlow's tape,",
+                "Leave underflow_sample out: the monitor records the scale "
+                "and the skipped steps without it.",
             )
         self.underflow_sample = underflow_sample
         self.underflows: list[tuple[int, underflow_lib.Underflow]] = []

@@ -1,14 +1,17 @@
 """The loss-scale monitor's records and where they go: `StepRecord`, and its
 writers (TensorBoard scalars, a CSV file, a PNG plot).
 
-TensorBoard's event files are written with TensorBoard's own writer, which
-needs no TensorFlow (on JAX there may be none)."""
+TensorBoard's event files are written with TensorBoard's record writer and
+event protos, which import no TensorFlow (on JAX there may be none, and
+TensorBoard's own file writer imports it wherever it is installed)."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import os
+import socket
 import time
 
 PLOT_SIZE_INCHES = (8.0, 5.0)
@@ -188,6 +191,25 @@ def check_paths(
             ) from e
 
 
+# Each event file's own number in this process, as TensorBoard numbers them.
+_EVENT_FILES = itertools.count()
+
+
+def _event_file(log_dir: str):
+    """A new TensorBoard event file in `log_dir`, named as TensorBoard names
+    them, its first record the file's version: a record writer (`write`
+    takes a serialized `Event`)."""
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter as Records
+
+    stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+    name = f"events.out.tfevents.{stamp}.{next(_EVENT_FILES)}"
+    records = Records(open(os.path.join(log_dir, name), "wb"))  # noqa: SIM115
+    version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+    records.write(version.SerializeToString())
+    return records
+
+
 class RecordWriter:
     """Writes `StepRecord`s to TensorBoard (`log_dir`, scalars under `kmp/`)
     and a CSV file (`csv_path`, appended to; the header once), either or
@@ -199,9 +221,7 @@ class RecordWriter:
         self._csv = None
         self._row_at: int | None = None  # where the last CSV row starts
         if log_dir is not None:
-            from tensorboard.summary.writer import event_file_writer
-
-            self._writer = event_file_writer.EventFileWriter(log_dir)
+            self._writer = _event_file(log_dir)
         if csv_path is not None:
             new = not os.path.exists(csv_path) or not os.path.getsize(csv_path)
             self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
@@ -268,9 +288,8 @@ class RecordWriter:
         )
         for tag, text in texts:
             summary.value.extend(text_summary.text_pb(tag, text).value)
-        self._writer.add_event(
-            event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
-        )
+        event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+        self._writer.write(event.SerializeToString())
 
     def _write_row(self, r: StepRecord) -> None:
         self._csv.writerow(
