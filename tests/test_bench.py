@@ -194,6 +194,36 @@ def test_gpu_script_refuses_clearly_without_a_gpu(tmp_path):
     assert "needs TensorFlow with a visible GPU" in result.stderr
 
 
+@pytest.mark.slow
+def test_the_jax_gpu_script_runs_its_table_on_this_cpu_when_told(tmp_path):
+    # benchmarks/gpu_jax.sh, as a GPU machine runs it, with CPU=1 and the
+    # smallest settings: one model, one policy, one step, kmp alone.
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    settings = {"MODELS": "mlp", "POLICIES": "float32", "STEPS": "1", "BATCH": "4"}
+    result = subprocess.run(
+        ["bash", os.path.join(root, "benchmarks", "gpu_jax.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            **settings,
+            "OUT": str(tmp_path),
+            "PYTHON": sys.executable,
+            "CPU": "1",
+            "KERAS": "0",
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads((tmp_path / "mlp.json").read_text())
+    assert row["policy"] == "float32" and row["median_step_ms"] > 0
+    assert "'keras backend': 'jax'" in result.stdout
+    assert re.search(r"mlp +float32 +[0-9.]+ ms/step", result.stdout)
+
+
 def test_a_ratio_against_a_stopped_plain_keras_run_is_marked_as_a_bound(
     capsys, monkeypatch
 ):
