@@ -384,13 +384,45 @@ def test_what_needs_tensorflow_says_so_and_what_to_do_instead(make, instead):
     assert instead in str(caught.value)
 
 
-def test_the_report_says_why_its_op_trace_is_missing():
+def test_the_op_trace_is_read_from_a_jaxpr_and_names_each_layer():
+    kmp.set_policy("mixed_bfloat16")
+    tokens = keras.Input((8, 16))
+    x = keras.layers.Dense(16, name="proj")(tokens)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x)
+    outputs = keras.layers.Dense(4, activation="softmax", name="head")(x)
+    traced = kmp.backend.tracing.trace(keras.Model(tokens, outputs))
+    assert traced.error is None
+    assert traced.outputs == ("bfloat16",)
+    norm = traced.of("norm")
+    assert norm.returns == ("bfloat16",)  # float32 inside, handed out cast back
+    assert {"rsqrt", "reduce_sum"} <= set(norm.float32_ops)
+    mha = traced.of("mha")
+    assert mha.softmax == ("float32",) and mha.scores  # its query x key
+    assert mha.matmuls == 2 and traced.of("mha/query").matmuls == 1
+    head = traced.of("head")
+    # A Dense layer's product with its kernel is no attention score.
+    assert head.softmax == ("bfloat16",) and head.scores == ()
+
+
+def test_the_report_and_the_audit_read_the_op_trace():
     kmp.set_policy("mixed_float16")
-    model = kmp.compile(mlp(), "sgd", "mse")
-    report = str(kmp.precision_report(model))
-    assert "Keras runs its jax backend here" in report
-    assert "hidden" in report
-    assert "Grappler" not in report  # TensorFlow's, which does not run here
+
+    class Attention(keras.layers.Layer):  # 16-bit scores and softmax
+        def call(self, x):
+            scores = keras.ops.einsum("btd,bsd->bts", x, x)
+            return keras.ops.einsum("bts,bsd->btd", keras.ops.softmax(scores), x)
+
+    model = keras.Sequential(
+        [keras.Input((8, 16)), keras.layers.Dense(16), Attention(name="attention")]
+    )
+    risks = {r.kind for r in kmp.debug.precision_audit(model) if r.layer == "attention"}
+    assert {"16-bit softmax", "16-bit attention scores"} <= risks
+    report = kmp.compile(mlp(), "sgd", "mse")
+    text = str(kmp.precision_report(report))
+    assert "Not traced" not in text
+    assert "Outputs: float16" in text  # as traced; predict casts them
+    assert "Grappler" not in text  # TensorFlow's, which does not run here
 
 
 def test_the_quickstart_trains_with_the_telemetry(capsys):

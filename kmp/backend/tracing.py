@@ -15,6 +15,11 @@ layer's name plus one numeric suffix that TensorFlow adds to keep names
 unique (`dense` -> `dense_1`, a layer named `dense_1` -> `dense_1_2`):
 stripping one suffix gives the name back.
 
+On Keras's JAX backend, `trace` reads the same from a jaxpr instead
+(`kmp.backend.jax.trace`: JAX names each equation with the layers' scopes
+too); `forward`, and the choices of `kmp.prepare` it serves, read
+TensorFlow's graph alone.
+
 `kmp.precision_report` and `kmp.debug.precision_audit` trace whole models.
 `kmp.prepare` reads at most one trace of the model (`forward`), at the
 layers' own policies, for the choices only a trace shows: which layers
@@ -232,6 +237,14 @@ def trace(model: keras.layers.Layer) -> Trace:
     specs = _input_specs(model)
     if specs is None:
         return Trace({}, error=f"{_no_shapes(model)}: nothing to trace")
+    if keras.backend.backend() == "jax":
+        from kmp.backend.jax import trace as jax_trace
+
+        try:
+            layers, outputs = jax_trace.layer_ops(model, specs)
+        except Exception as e:  # any failure of user code: the trace is advisory
+            return Trace({}, error=error_line(e), error_at=user_line(e))
+        return Trace({p: LayerOps(p, **ops) for p, ops in layers.items()}, outputs)
     concrete, error, where = _concrete(model, specs)
     if error:
         return Trace({}, error=error, error_at=where)

@@ -1,0 +1,371 @@
+"""What a model's layers compute on JAX: one jaxpr of `model(x,
+training=False)`, its equations attributed to the layers that ran them
+(`kmp.backend.tracing.trace` makes its `Trace` of them).
+
+JAX records, with each equation it traces, the name scopes open at the time
+(`source_info.name_stack`). Keras opens one per layer call, named after the
+layer (`mha/query`), so the scopes name the layers as TensorFlow's op names
+do (`kmp.backend.tracing`). The jaxpr is made from abstract values (shapes
+and dtypes): nothing runs.
+
+JAX has no softmax primitive: a softmax is read as what `jax.nn.softmax`
+and Keras compute, an `exp` divided by its own `reduce_sum`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from kmp.precision import policy as policy_lib
+from kmp.precision import traversal
+
+# Primitives that move, reshape or select data, or compute on indices and
+# masks: everything else with a float output is math.
+_DATA = frozenset(
+    [
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "scatter",
+        "concatenate",
+        "pad",
+        "select_n",
+        "stop_gradient",
+        "copy",
+        "copy_p",
+        "iota",
+        "rev",
+        "split",
+        "device_put",
+        "sharding_constraint",
+        "jit",
+        "pjit",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "cond",
+        "while",
+        "scan",
+    ]
+)
+_MATMUL = frozenset(["dot_general"])
+# Between the query x key product and the softmax: scaling, masking, bias,
+# soft-capping, reshaping, and the softmax's own subtraction of its maximum.
+_TO_SOFTMAX = frozenset(
+    [
+        "mul",
+        "div",
+        "add",
+        "sub",
+        "neg",
+        "max",
+        "min",
+        "tanh",
+        "convert_element_type",
+        "select_n",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "reduce_max",
+        "stop_gradient",
+    ]
+)
+_SUBJAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr")
+
+
+def layer_ops(
+    model: keras.layers.Layer, specs: Any
+) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """Traces `model(x, training=False)` for `specs` (KerasTensors, batch
+    dimension None: traced at 2) into a jaxpr and attributes its equations
+    to layers.
+
+    Returns:
+        Per layer path, the fields of its `kmp.backend.tracing.LayerOps`
+        (JAX's primitive names in `float32_ops`); and the float dtypes of
+        the model's outputs.
+
+    Raises:
+        Whatever the model's code raises while it is traced.
+    """
+    import jax
+
+    def abstract(t):
+        shape = tuple(2 if d is None else d for d in t.shape)
+        return jax.ShapeDtypeStruct(shape, t.dtype)
+
+    def values(variables):
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
+
+    def forward(trainable, non_trainable, x):
+        outputs, _ = model.stateless_call(trainable, non_trainable, x, training=False)
+        return outputs
+
+    closed = jax.make_jaxpr(forward)(
+        values(model.trainable_variables),
+        values(model.non_trainable_variables),
+        keras.tree.map_structure(abstract, specs),
+    )
+    weights = len(model.trainable_variables) + len(model.non_trainable_variables)
+    return _read(model, closed.jaxpr, set(closed.jaxpr.invars[:weights]))
+
+
+def _read(
+    model: keras.layers.Layer, jaxpr: Any, weights: set
+) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """`layer_ops` of a model's jaxpr, whose inputs `weights` are the
+    variables' values."""
+    paths = {id(site.layer): site.path for site in traversal.walk(model)}
+    chains = _Chains(model)
+    own: dict[str, list] = {}  # path -> its own equations (any depth)
+    inside: dict[str, list] = {}  # path -> its and its sublayers' equations
+    softmax_divs: dict[int, str] = {}  # id(div equation) -> path that owns it
+    scores: dict[str, list[str]] = {}
+    returns: dict[str, set[str]] = {}
+
+    def visit(jaxpr: Any, prefix: str, weights: set, top: bool) -> None:
+        consumers: dict[Any, list] = {}
+        for eqn in jaxpr.eqns:
+            for var in eqn.invars:
+                if not _is_literal(var):
+                    consumers.setdefault(var, []).append(eqn)
+        # The model's outputs; a nested jaxpr's outputs go back to its caller.
+        outvars = {v for v in jaxpr.outvars if not _is_literal(v)} if top else set()
+        weights = _following_all(weights, consumers)
+        names = {id(eqn): _join(prefix, eqn) for eqn in jaxpr.eqns}
+        layer_paths = {
+            id(eqn): [paths[id(layer)] for layer in chains.of(names[id(eqn)])]
+            for eqn in jaxpr.eqns
+        }
+        softmaxes = _softmaxes(jaxpr, consumers)
+        for eqn in jaxpr.eqns:
+            chain = layer_paths[id(eqn)]
+            for path in chain:
+                inside.setdefault(path, []).append(eqn)
+            if chain:
+                own.setdefault(chain[-1], []).append(eqn)
+                if id(eqn) in softmaxes:
+                    softmax_divs[id(softmaxes[id(eqn)])] = chain[-1]
+                if _scores(eqn, weights, consumers, softmaxes):
+                    dtype = _float(eqn.outvars[0])
+                    if dtype:
+                        scores.setdefault(chain[-1], []).append(dtype)
+            # What a layer hands out: its outputs that an equation outside it,
+            # or the jaxpr's own outputs, take.
+            for var in eqn.outvars:
+                dtype = _float(var)
+                if not dtype:
+                    continue
+                outside = [layer_paths[id(c)] for c in consumers.get(var, [])]
+                for path in chain:
+                    if var in outvars or any(path not in c for c in outside):
+                        returns.setdefault(path, set()).add(dtype)
+            for sub in _subjaxprs(eqn):
+                inner = {
+                    i
+                    for i, o in zip(sub.invars, eqn.invars, strict=False)
+                    if not _is_literal(o) and o in weights
+                }
+                visit(sub, names[id(eqn)], inner, top=False)
+
+    visit(jaxpr, "", weights, top=True)
+    result = {}
+    for layer_id, path in paths.items():
+        if path not in inside:
+            continue
+        layer = chains.layers[layer_id]
+        mine = own.get(path, [])
+        math = [e for e in mine if e.primitive.name not in _DATA]
+        sixteen = layer.compute_dtype in policy_lib.SIXTEEN_BIT
+        result[path] = dict(
+            computes=_dtypes(math),
+            returns=tuple(sorted(returns.get(path, ()))),
+            float32_ops=tuple(
+                sorted(
+                    {
+                        e.primitive.name
+                        for e in inside[path]
+                        if e.primitive.name not in _DATA
+                        and any(_float(v) == "float32" for v in e.outvars)
+                    }
+                )
+            )
+            if sixteen
+            else (),
+            softmax=tuple(
+                sorted(
+                    {
+                        _float(e.outvars[0])
+                        for e in mine
+                        if softmax_divs.get(id(e)) == path and _float(e.outvars[0])
+                    }
+                )
+            ),
+            scores=tuple(sorted(set(scores.get(path, ())))),
+            matmuls=sum(e.primitive.name in _MATMUL for e in mine),
+        )
+    outputs = tuple(d for var in jaxpr.outvars if (d := _float(var)))
+    return result, outputs
+
+
+class _Chains:
+    """The layers a name stack (`block/attention/query/...`) names, outermost
+    first, read from the model's children by name."""
+
+    def __init__(self, model: keras.layers.Layer):
+        self.model = model
+        self.layers = {id(site.layer): site.layer for site in traversal.walk(model)}
+        self._children: dict[int, dict] = {}
+
+    def of(self, name_stack: str) -> list:
+        chain = []
+        current = self.model
+        for part in name_stack.split("/"):
+            by_name = self._children.get(id(current))
+            if by_name is None:
+                by_name = {c.name: c for c in traversal.children(current)}
+                self._children[id(current)] = by_name
+            child = by_name.get(part)
+            if child is None:
+                if not chain and part == self.model.name:
+                    continue  # the model's own scope, where one is open
+                break
+            chain.append(child)
+            current = child
+        return [layer for layer in chain if id(layer) in self.layers]
+
+
+def _join(prefix: str, eqn: Any) -> str:
+    own = str(eqn.source_info.name_stack)
+    return f"{prefix}/{own}" if prefix and own else prefix or own
+
+
+def _subjaxprs(eqn: Any) -> list:
+    found = []
+    for key, value in eqn.params.items():
+        if key in _SUBJAXPRS or key == "branches":
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    found.append(inner)
+    return found
+
+
+def _is_literal(var: Any) -> bool:
+    """Whether an equation's input is a constant written into it."""
+    from jax.extend import core
+
+    return isinstance(var, core.Literal)
+
+
+def _float(var: Any) -> str:
+    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+    if dtype is None:
+        return ""
+    name = keras.backend.standardize_dtype(dtype)
+    return name if name in ("float16", "bfloat16", "float32", "float64") else ""
+
+
+def _dtypes(eqns: list) -> tuple[str, ...]:
+    return tuple(sorted({d for e in eqns for v in e.outvars if (d := _float(v))}))
+
+
+def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
+    """The softmaxes of one jaxpr: id(exp equation) -> the `div` that
+    normalizes it by its own `reduce_sum` (reshapes and broadcasts between
+    them allowed)."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "exp":
+            continue
+        exp_out = eqn.outvars[0]
+        sums = _forward(exp_out, consumers, {"reduce_sum"}, through=_SHAPE)
+        totals = {v for s in sums for v in _following(s.outvars[0], consumers)}
+        for div in _forward(exp_out, consumers, {"div"}, through=_SHAPE):
+            if len(div.invars) == 2 and div.invars[1] in totals:
+                found[id(eqn)] = div
+                break
+    return found
+
+
+_SHAPE = frozenset(["reshape", "broadcast_in_dim", "convert_element_type"])
+
+
+def _following(var: Any, consumers: dict) -> set:
+    """`var` and what reshapes, broadcasts and casts make of it."""
+    seen = {var}
+    frontier = [var]
+    while frontier:
+        v = frontier.pop()
+        for c in consumers.get(v, []):
+            if c.primitive.name in _SHAPE:
+                for out in c.outvars:
+                    if out not in seen:
+                        seen.add(out)
+                        frontier.append(out)
+    return seen
+
+
+def _forward(var: Any, consumers: dict, wanted: set, through: frozenset) -> list:
+    """The equations of kind `wanted` that take `var`, directly or through
+    equations of kind `through`."""
+    found = []
+    for v in _following(var, consumers) if through else {var}:
+        found.extend(c for c in consumers.get(v, []) if c.primitive.name in wanted)
+    return found
+
+
+def _following_all(variables: set, consumers: dict) -> set:
+    """`variables` and what reshapes, broadcasts, casts and transposes make
+    of them."""
+    seen = set(variables)
+    frontier = list(variables)
+    while frontier:
+        v = frontier.pop()
+        for c in consumers.get(v, []):
+            if c.primitive.name in _SHAPE or c.primitive.name == "transpose":
+                for out in c.outvars:
+                    if out not in seen:
+                        seen.add(out)
+                        frontier.append(out)
+    return seen
+
+
+def _scores(eqn: Any, weights: set, consumers: dict, softmaxes: dict) -> bool:
+    """Whether `eqn` computes attention scores: a product of two computed
+    tensors (neither a weight: a Dense layer's product with its kernel is
+    not one) whose result flows into a softmax."""
+    return (
+        eqn.primitive.name in _MATMUL
+        and not any(not _is_literal(v) and v in weights for v in eqn.invars)
+        and _reaches(eqn, consumers, softmaxes)
+    )
+
+
+def _reaches(eqn: Any, consumers: dict, softmaxes: dict, depth: int = 10) -> bool:
+    """Whether a product's result flows into a softmax's `exp` through
+    scaling, masking and reshaping alone."""
+    exps = set(softmaxes)
+    frontier = [eqn]
+    for _ in range(depth):
+        following = []
+        for node in frontier:
+            for var in node.outvars:
+                for c in consumers.get(var, []):
+                    if id(c) in exps:
+                        return True
+                    if c.primitive.name in _TO_SOFTMAX:
+                        following.append(c)
+        if not following:
+            return False
+        frontier = following
+    return False
