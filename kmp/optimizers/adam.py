@@ -5,7 +5,8 @@ of the float32 weights themselves, and more than the weights, gradients and
 16-bit activations of a large model together. Kept in bfloat16 they take
 half. The update is computed in float32 (the moments are read as float32,
 updated, and the weights updated from the float32 values), and only what
-is stored is rounded: stochastically by default (`kmp.backend.rounding`),
+is stored is rounded: stochastically by default (`kmp.backend.rounding`;
+on JAX, `kmp.backend.jax.rounding`),
 because a moment rounded to nearest stops moving once its change per step
 is below half a bfloat16 step (Adam's second moment changes by 0.1 % per
 step at `beta_2=0.999`, a quarter of a step). The weights stay float32.
@@ -25,17 +26,10 @@ from typing import Any
 
 import keras
 
-from kmp._base import backends
 from kmp.backend import rounding as rounding_lib
+from kmp.backend.jax import rounding as jax_rounding
 
 STATE_DTYPES = ("bfloat16", "float32")
-
-
-def _require_tensorflow() -> None:
-    backends.require_tensorflow(
-        "kmp.optimizers' bfloat16 moments",
-        "Use Keras's own keras.optimizers.Adam or AdamW (float32 moments).",
-    )
 
 
 class _HalfState:
@@ -79,32 +73,42 @@ class _HalfState:
 
     def _state_variable(self, variable, name: str):
         """A moment of `variable`, named as Keras names its own."""
-        import tensorflow as tf
-
         path = getattr(variable, "path", None) or str(variable.name)
         dtype = self.state_dtype
         if not keras.backend.is_float_dtype(variable.dtype) or (
             keras.backend.standardize_dtype(variable.dtype) != "float32"
         ):
             dtype = variable.dtype  # only float32 weights get 16-bit moments
+        name = f"{path.replace('/', '_').replace(':', '_')}_{name}"
+        if keras.backend.backend() != "tensorflow":
+            return self.add_variable(shape=variable.shape, dtype=dtype, name=name)
+        import tensorflow as tf
+
         # Placed with its weight, as Keras places its own optimizers' slots
         # (`add_variable_from_reference`, which cannot take another dtype):
         # under a parameter-server strategy, on the weight's server.
         reference = variable.value if isinstance(variable, keras.Variable) else variable
         with tf.distribute.get_strategy().extended.colocate_vars_with(reference):
-            return self.add_variable(
-                shape=variable.shape,
-                dtype=dtype,
-                name=f"{path.replace('/', '_').replace(':', '_')}_{name}",
-            )
+            return self.add_variable(shape=variable.shape, dtype=dtype, name=name)
 
     def _store(self, slot, value, index: int, which: int) -> None:
         """Writes `value` (the weight's dtype) into the moment `slot`."""
-        import tensorflow as tf
-
         if slot.dtype == value.dtype:
             self.assign(slot, value)
             return
+        if keras.backend.backend() == "jax":
+            # A draw per step, per moment, from JAX's generator.
+            rounded = jax_rounding.to_bfloat16(
+                value,
+                self.rounding,
+                self.seed,
+                self.iterations.value,
+                3 * index + which,
+            )
+            self.assign(slot, rounded)
+            return
+        import tensorflow as tf
+
         seed = None
         if self.rounding == "stochastic":
             # A draw per step, per moment: (seed, step), (variable, moment).
@@ -203,7 +207,6 @@ class Adam(_HalfState, keras.optimizers.Adam):
         seed: int = 0,
         **kwargs: Any,
     ):
-        _require_tensorflow()
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -257,7 +260,6 @@ class AdamW(_HalfState, keras.optimizers.AdamW):
         seed: int = 0,
         **kwargs: Any,
     ):
-        _require_tensorflow()
         super().__init__(
             learning_rate=learning_rate,
             weight_decay=weight_decay,

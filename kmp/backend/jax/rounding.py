@@ -1,0 +1,45 @@
+"""Rounding float32 to bfloat16 on JAX: to nearest, or stochastically, as
+`kmp.backend.rounding` does on TensorFlow (see its docstring).
+
+The random draw comes from JAX's own generator, keyed by the optimizer's
+seed and folded with the step and the moment: the same step draws the same
+numbers eagerly and under `jit`. They are not TensorFlow's numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def to_bfloat16(
+    value: Any, rounding: str, seed: int = 0, step: Any = 0, stream: int = 0
+) -> Any:
+    """`value` (float32) as bfloat16, rounded `rounding` (`'nearest'` or
+    `'stochastic'`); for `'stochastic'`, the draw of (`seed`, `step`,
+    `stream`).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.full([10000], 1.0 + 2.0**-9)  # a quarter bfloat16 step above 1
+    >>> float(to_bfloat16(x, "nearest").astype("float32").mean())
+    1.0
+    >>> rounded = to_bfloat16(x, "stochastic", seed=0).astype("float32")
+    >>> sorted(set(rounded.tolist()))
+    [1.0, 1.0078125]
+    >>> abs(float(rounded.mean()) - 1.0019531) < 3e-4
+    True
+    """
+    import jax
+    import jax.numpy as jnp
+
+    value = jnp.asarray(value, jnp.float32)
+    if rounding == "nearest":
+        return value.astype(jnp.bfloat16)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
+    noise = jax.random.randint(key, value.shape, 0, 1 << 16, jnp.int32)
+    bits = (jax.lax.bitcast_convert_type(value, jnp.int32) + noise) & -(1 << 16)
+    # Inf stays Inf (its low bits are zero), and a finite value above
+    # bfloat16's largest may round up to Inf. NaN is passed through.
+    rounded = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(jnp.isnan(value), value, rounded).astype(jnp.bfloat16)
