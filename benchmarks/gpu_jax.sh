@@ -4,15 +4,20 @@
 # kmp beside plain Keras, with the GPU's peak memory.
 #
 # Made for a machine with JAX (CUDA) but neither TensorFlow nor Keras, and no
-# network. Keras and the two small packages it needs that JAX does not bring
-# (namex, optree) come as wheels carried in benchmarks/wheels/ (written by
-# benchmarks/fetch_wheels.sh where there is a network). They are unpacked
-# into $OUT/site, which goes on PYTHONPATH with this checkout: kmp runs from
-# it (pure Python), nothing is installed, no pip is needed.
+# network. Keras and the two small packages it needs that such a machine
+# lacks (namex, optree) come as wheels carried in benchmarks/wheels/
+# (written by benchmarks/fetch_wheels.sh where there is a network); Keras's
+# other dependencies (absl-py, rich, h5py, ml-dtypes, packaging) must be
+# there, and the script names the one that is not. The wheels are unpacked
+# into a scratch folder, which goes on PYTHONPATH with this checkout: kmp
+# runs from it (pure Python) on the machine's own JAX; nothing is installed.
 #
-# Every run is bounded (timeout): with the defaults the script ends within
-# about 9 minutes (or run each model in a call of its own, MODELS=...).
-# Results (JSON) go to $OUT, or benchmarks/gpu-results-jax/.
+# Each policy of each model is one bounded run (timeout), so a slow one
+# loses only its own row: at most 4 minutes for the transformer and 9 for
+# ResNet-50. Run each model in a call of its own (MODELS=...) where a call
+# may take 10 minutes at most.
+# Results (JSON, one file per model and policy) go to $OUT, or
+# benchmarks/gpu-results-jax/; nothing else is written there.
 # Settings (environment): MODELS ("transformer resnet50"), POLICIES, STEPS,
 # BATCH (per model: TRANSFORMER_BATCH, RESNET_BATCH), RESNET_SIZE (224),
 # KERAS=0 (kmp alone), CPU=1 (run where JAX has no GPU: to try the script).
@@ -26,6 +31,8 @@ POLICIES=${POLICIES:-float32,mixed_bfloat16,mixed_float16}
 STEPS=${STEPS:-20}
 RESNET_SIZE=${RESNET_SIZE:-224}
 mkdir -p "$OUT"
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
 export KERAS_BACKEND=jax
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -36,9 +43,9 @@ if ! "$PY" -c "import keras" 2>/dev/null; then
     exit 3
   fi
   for wheel in "$WHEELS"/*.whl; do
-    "$PY" -m zipfile -e "$wheel" "$OUT/site"
+    "$PY" -m zipfile -e "$wheel" "$SCRATCH/site"
   done
-  export PYTHONPATH="$OUT/site:$PYTHONPATH"
+  export PYTHONPATH="$SCRATCH/site:$PYTHONPATH"
   "$PY" -c "import keras" || {
     echo "gpu_jax.sh: Keras from $WHEELS does not import (above: what is missing)" >&2
     exit 3
@@ -58,22 +65,29 @@ for model in $MODELS; do
   case "$model" in
     resnet50)
       # Saved once, float32; kmp bench rebuilds it under each policy.
-      "$PY" -c "import keras, sys; keras.applications.ResNet50(weights=None, \
-input_shape=($RESNET_SIZE, $RESNET_SIZE, 3)).save(sys.argv[1])" "$OUT/resnet50.keras"
-      spec="$OUT/resnet50.keras" batch=${BATCH:-${RESNET_BATCH:-64}} limit=360 ;;
-    transformer) spec=transformer batch=${BATCH:-${TRANSFORMER_BATCH:-256}} limit=150 ;;
-    *) spec=$model batch=${BATCH:-64} limit=150 ;;
+      spec="$SCRATCH/resnet50.keras"
+      if ! timeout 120 "$PY" -c "import keras, sys; keras.applications.ResNet50(\
+weights=None, input_shape=($RESNET_SIZE, $RESNET_SIZE, 3)).save(sys.argv[1])" "$spec"; then
+        echo "resnet50: could not be built and saved" >&2
+        continue
+      fi
+      batch=${BATCH:-${RESNET_BATCH:-64}} limit=140 ;;
+    transformer) spec=transformer batch=${BATCH:-${TRANSFORMER_BATCH:-256}} limit=80 ;;
+    *) spec=$model batch=${BATCH:-64} limit=80 ;;
   esac
-  # Written aside and moved into place only on success, so that a run that
-  # failed or timed out leaves no half-written file for the summary.
-  if timeout "$limit" "$PY" -m kmp bench --model "$spec" --policies "$POLICIES" \
-      --steps "$STEPS" --batch-size "$batch" --rounds 1 $keras_flag --keras-budget 0 \
-      --json > "$OUT/$model.json.part"; then
-    mv "$OUT/$model.json.part" "$OUT/$model.json"
-  else
-    rm -f "$OUT/$model.json.part"
-    echo "$model: timed out or failed" >&2
-  fi
+  for policy in ${POLICIES//,/ }; do
+    # Written aside and moved into place only on success, so that a run
+    # that failed or timed out leaves no half-written file for the summary.
+    part="$OUT/$model.$policy.json.part"
+    if timeout "$limit" "$PY" -m kmp bench --model "$spec" --policies "$policy" \
+        --steps "$STEPS" --batch-size "$batch" --rounds 1 $keras_flag \
+        --keras-budget 0 --json > "$part"; then
+      mv "$part" "${part%.part}"
+    else
+      rm -f "$part"
+      echo "$model $policy: timed out or failed" >&2
+    fi
+  done
 done
 
 "$PY" - "$OUT" <<'PYEOF'
@@ -89,11 +103,11 @@ for path in sorted(out.glob("*.json")):
     try:
         rows = json.loads(path.read_text())
     except ValueError:
-        print(f"{path.stem}: unreadable results, skipped")
+        print(f"{path.name}: unreadable results, skipped")
         continue
     for r in rows:
         step = r.get("median_step_ms")
         step = "failed" if step is None else f"{step:8.2f} ms/step"
-        print(f"{path.stem:12s} {r['policy']:22s} {step}  "
+        print(f"{path.stem.split('.')[0]:12s} {r['policy']:22s} {step}  "
               f"peak GPU {r.get('peak_gpu_mb')} MB  loss {r.get('final_loss')}")
 PYEOF

@@ -218,7 +218,11 @@ def test_the_jax_gpu_script_runs_its_table_on_this_cpu_when_told(tmp_path):
         },
     )
     assert result.returncode == 0, result.stderr
-    (row,) = json.loads((tmp_path / "mlp.json").read_text())
+    (row,) = json.loads((tmp_path / "mlp.float32.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "doctor.json",
+        "mlp.float32.json",
+    ]  # nothing else: a device returns this folder
     assert row["policy"] == "float32" and row["median_step_ms"] > 0
     assert "'keras backend': 'jax'" in result.stdout
     assert re.search(r"mlp +float32 +[0-9.]+ ms/step", result.stdout)

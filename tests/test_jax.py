@@ -382,25 +382,49 @@ def test_what_needs_tensorflow_says_so_and_what_to_do_instead(make, instead):
     assert instead in str(caught.value)
 
 
+class ScoresAndSoftmax(keras.layers.Layer):
+    """Attention of its own: query x key, a softmax, the values."""
+
+    def call(self, x):
+        scores = keras.ops.einsum("btd,bsd->bts", x, x)
+        return keras.ops.einsum("bts,bsd->btd", keras.ops.softmax(scores), x)
+
+
+class HalvedExp(keras.layers.Layer):  # exp divided by a constant: no softmax
+    def call(self, x):
+        return keras.ops.exp(x) / 2.0
+
+
+class LogSoftmax(keras.layers.Layer):
+    def call(self, x):
+        return keras.ops.log_softmax(x)
+
+
 def test_the_op_trace_is_read_from_a_jaxpr_and_names_each_layer():
     kmp.set_policy("mixed_bfloat16")
     tokens = keras.Input((8, 16))
     x = keras.layers.Dense(16, name="proj")(tokens)
     x = keras.layers.LayerNormalization(name="norm")(x)
-    x = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x)
-    outputs = keras.layers.Dense(4, activation="softmax", name="head")(x)
+    x = ScoresAndSoftmax(name="attention")(x)
+    x = HalvedExp(name="halved")(x)
+    x = LogSoftmax(name="logprobs")(x)
+    head = keras.layers.Dense(4, activation="softmax", name="head")
+    outputs = head(x)
+    head.enable_lora(2)  # its kernel, computed from weights, is no query
     traced = kmp.backend.tracing.trace(keras.Model(tokens, outputs))
     assert traced.error is None
     assert traced.outputs == ("bfloat16",)
     norm = traced.of("norm")
     assert norm.returns == ("bfloat16",)  # float32 inside, handed out cast back
     assert {"rsqrt", "reduce_sum"} <= set(norm.float32_ops)
-    mha = traced.of("mha")
-    assert mha.softmax == ("float32",) and mha.scores  # its query x key
-    assert mha.matmuls == 2 and traced.of("mha/query").matmuls == 1
-    head = traced.of("head")
-    # A Dense layer's product with its kernel is no attention score.
-    assert head.softmax == ("bfloat16",) and head.scores == ()
+    attention = traced.of("attention")
+    assert attention.softmax == ("bfloat16",)
+    assert attention.scores == ("bfloat16",)
+    assert attention.matmuls == 2 and traced.of("proj").matmuls == 1
+    assert traced.of("halved").softmax == ()
+    assert traced.of("logprobs").softmax
+    assert traced.of("head").softmax == ("bfloat16",)
+    assert traced.of("head").scores == ()
 
 
 def test_the_report_and_the_audit_read_the_op_trace():

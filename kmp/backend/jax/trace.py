@@ -8,8 +8,13 @@ layer (`mha/query`), so the scopes name the layers as TensorFlow's op names
 do (`kmp.backend.tracing`). The jaxpr is made from abstract values (shapes
 and dtypes): nothing runs.
 
-JAX has no softmax primitive: a softmax is read as what `jax.nn.softmax`
-and Keras compute, an `exp` divided by its own `reduce_sum`.
+The model is called as `model(x, training=False)` with its variables'
+values abstract (in a `keras.StatelessScope`), every unknown dimension at
+2. JAX has no softmax primitive: a softmax is read as what
+`jax.nn.softmax` computes, an `exp` divided by its own `reduce_sum` (and a
+log-softmax as the log of that sum subtracted). A product is read as
+attention scores where neither of its operands is computed from weights
+alone, and its result flows into a softmax within the same jaxpr.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ _DATA = frozenset(
         "cond",
         "while",
         "scan",
+        "remat",
+        "remat2",
+        "checkpoint",
+        "closed_call",
+        "core_call",
+        "shard_map",
     ]
 )
 _MATMUL = frozenset(["dot_general"])
@@ -85,9 +96,9 @@ _SUBJAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr")
 def layer_ops(
     model: keras.layers.Layer, specs: Any
 ) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
-    """Traces `model(x, training=False)` for `specs` (KerasTensors, batch
-    dimension None: traced at 2) into a jaxpr and attributes its equations
-    to layers.
+    """Traces `model(x, training=False)` for `specs` (KerasTensors; every
+    unknown dimension traced at 2) into a jaxpr and attributes its
+    equations to layers.
 
     Returns:
         Per layer path, the fields of its `kmp.backend.tracing.LayerOps`
@@ -107,8 +118,14 @@ def layer_ops(
         return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
 
     def forward(trainable, non_trainable, x):
-        outputs, _ = model.stateless_call(trainable, non_trainable, x, training=False)
-        return outputs
+        # The model's own call (its input casts and autocast scope too), on
+        # abstract values of its variables.
+        mapping = [
+            *zip(model.trainable_variables, trainable, strict=True),
+            *zip(model.non_trainable_variables, non_trainable, strict=True),
+        ]
+        with keras.StatelessScope(state_mapping=mapping):
+            return model(x, training=False)
 
     closed = jax.make_jaxpr(forward)(
         values(model.trainable_variables),
@@ -128,7 +145,9 @@ def _read(
     chains = _Chains(model)
     own: dict[str, list] = {}  # path -> its own equations (any depth)
     inside: dict[str, list] = {}  # path -> its and its sublayers' equations
-    softmax_divs: dict[int, str] = {}  # id(div equation) -> path that owns it
+    # (id(the equation that ends a softmax), the path of the layer that ran it):
+    # a jitted function's equations are shared by every call of it.
+    softmax_ends: set[tuple[int, str]] = set()
     scores: dict[str, list[str]] = {}
     returns: dict[str, set[str]] = {}
 
@@ -140,7 +159,7 @@ def _read(
                     consumers.setdefault(var, []).append(eqn)
         # The model's outputs; a nested jaxpr's outputs go back to its caller.
         outvars = {v for v in jaxpr.outvars if not _is_literal(v)} if top else set()
-        weights = _following_all(weights, consumers)
+        weights = _computed_from(weights, jaxpr)
         names = {id(eqn): _join(prefix, eqn) for eqn in jaxpr.eqns}
         layer_paths = {
             id(eqn): [paths[id(layer)] for layer in chains.of(names[id(eqn)])]
@@ -154,7 +173,7 @@ def _read(
             if chain:
                 own.setdefault(chain[-1], []).append(eqn)
                 if id(eqn) in softmaxes:
-                    softmax_divs[id(softmaxes[id(eqn)])] = chain[-1]
+                    softmax_ends.add((id(softmaxes[id(eqn)]), chain[-1]))
                 if _scores(eqn, weights, consumers, softmaxes):
                     dtype = _float(eqn.outvars[0])
                     if dtype:
@@ -169,10 +188,10 @@ def _read(
                 for path in chain:
                     if var in outvars or any(path not in c for c in outside):
                         returns.setdefault(path, set()).add(dtype)
-            for sub in _subjaxprs(eqn):
+            for sub, operands in _subjaxprs(eqn):
                 inner = {
                     i
-                    for i, o in zip(sub.invars, eqn.invars, strict=False)
+                    for i, o in zip(sub.invars, operands, strict=False)
                     if not _is_literal(o) and o in weights
                 }
                 visit(sub, names[id(eqn)], inner, top=False)
@@ -206,7 +225,7 @@ def _read(
                     {
                         _float(e.outvars[0])
                         for e in mine
-                        if softmax_divs.get(id(e)) == path and _float(e.outvars[0])
+                        if (id(e), path) in softmax_ends and _float(e.outvars[0])
                     }
                 )
             ),
@@ -249,14 +268,30 @@ def _join(prefix: str, eqn: Any) -> str:
     return f"{prefix}/{own}" if prefix and own else prefix or own
 
 
-def _subjaxprs(eqn: Any) -> list:
+def _subjaxprs(eqn: Any) -> list[tuple[Any, list]]:
+    """The jaxprs nested in `eqn`, each with the operands of `eqn` that its
+    inputs take (a condition's index and a loop's other constants left
+    out)."""
     found = []
-    for key, value in eqn.params.items():
-        if key in _SUBJAXPRS or key == "branches":
-            for item in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(item, "jaxpr", item)
-                if hasattr(inner, "eqns"):
-                    found.append(inner)
+    params = eqn.params
+    for key, value in params.items():
+        if key not in _SUBJAXPRS and key != "branches":
+            continue
+        operands = list(eqn.invars)
+        if key == "branches":
+            operands = operands[1:]  # the first is the branch's index
+        elif eqn.primitive.name == "while":
+            conds, bodies = params["cond_nconsts"], params["body_nconsts"]
+            carry = operands[conds + bodies :]
+            operands = (
+                operands[:conds] + carry
+                if key == "cond_jaxpr"
+                else operands[conds : conds + bodies] + carry
+            )
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                found.append((inner, operands))
     return found
 
 
@@ -282,7 +317,7 @@ def _dtypes(eqns: list) -> tuple[str, ...]:
 def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
     """The softmaxes of one jaxpr: id(exp equation) -> the `div` that
     normalizes it by its own `reduce_sum` (reshapes and broadcasts between
-    them allowed)."""
+    them allowed), or for a log-softmax the `sub` of that sum's `log`."""
     found = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "exp":
@@ -291,9 +326,19 @@ def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
         sums = _forward(exp_out, consumers, {"reduce_sum"}, through=_SHAPE)
         totals = {v for s in sums for v in _following(s.outvars[0], consumers)}
         for div in _forward(exp_out, consumers, {"div"}, through=_SHAPE):
-            if len(div.invars) == 2 and div.invars[1] in totals:
+            divisor = div.invars[1] if len(div.invars) == 2 else None
+            if divisor is not None and not _is_literal(divisor) and divisor in totals:
                 found[id(eqn)] = div
                 break
+        else:
+            # log_softmax: x - max - log(sum(exp(x - max))).
+            for log in (c for t in totals for c in consumers.get(t, [])):
+                if log.primitive.name != "log":
+                    continue
+                subs = _forward(log.outvars[0], consumers, {"sub"}, through=_SHAPE)
+                if subs:
+                    found[id(eqn)] = subs[0]
+                    break
     return found
 
 
@@ -324,20 +369,15 @@ def _forward(var: Any, consumers: dict, wanted: set, through: frozenset) -> list
     return found
 
 
-def _following_all(variables: set, consumers: dict) -> set:
-    """`variables` and what reshapes, broadcasts, casts and transposes make
-    of them."""
-    seen = set(variables)
-    frontier = list(variables)
-    while frontier:
-        v = frontier.pop()
-        for c in consumers.get(v, []):
-            if c.primitive.name in _SHAPE or c.primitive.name == "transpose":
-                for out in c.outvars:
-                    if out not in seen:
-                        seen.add(out)
-                        frontier.append(out)
-    return seen
+def _computed_from(weights: set, jaxpr: Any) -> set:
+    """`weights` and what the jaxpr computes from them alone (and constants):
+    a LoRA kernel's sum, a dequantized kernel, a cast or a reshape."""
+    found = set(weights)
+    for eqn in jaxpr.eqns:  # in order: each equation's inputs come first
+        inputs = [v for v in eqn.invars if not _is_literal(v)]
+        if inputs and all(v in found for v in inputs):
+            found.update(eqn.outvars)
+    return found
 
 
 def _scores(eqn: Any, weights: set, consumers: dict, softmaxes: dict) -> bool:
