@@ -12,6 +12,7 @@ edge of kmp's loss scaling. On other Keras backends there is no strategy:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,30 @@ def agree(flags: Any):
         tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(flags), tf.float32)
     )
     return tf.equal(bad, 0.0)
+
+
+def value(variable: Any) -> Any:
+    """`variable`'s value as a tensor, read as tf.distribute reads it (in a
+    replica, that replica's copy; `float()` of it works under a strategy,
+    where a distributed variable refuses it). On other Keras backends, its
+    value."""
+    if keras.backend.backend() != "tensorflow":
+        return variable.value
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(variable)
+
+
+def colocated_with(variable: Any) -> Any:
+    """A scope whose new variables are placed with `variable`, as Keras
+    places its optimizers' slots: under a parameter-server strategy, on the
+    variable's server. On other Keras backends, none."""
+    if keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    reference = variable.value if isinstance(variable, keras.Variable) else variable
+    return tf.distribute.get_strategy().extended.colocate_vars_with(reference)
 
 
 def replicas() -> int:

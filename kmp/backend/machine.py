@@ -173,3 +173,26 @@ def tensorflow_version() -> str:
         return importlib.metadata.version("tensorflow")
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def tensors_peak_mb(gpu_only: bool = False) -> float | None:
+    """The peak of the backend's live tensors in this process so far, in
+    MiB: on the first GPU where there is one, else in host memory (weights,
+    optimizer state, gradients, activations, input batches; not the
+    runtime's own code and caches). None where the backend keeps no count:
+    JAX counts its arrays on GPUs and TPUs, not on CPUs. With `gpu_only`,
+    None without a GPU."""
+    if keras.backend.backend() == "jax":
+        if gpu_only and not capabilities().gpus:
+            return None
+        return jax_devices.peak_memory_mb()
+    import tensorflow as tf
+
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    if gpu_only and not gpu:
+        return None
+    try:
+        info = tf.config.experimental.get_memory_info("GPU:0" if gpu else "CPU:0")
+    except (ValueError, RuntimeError):
+        return None
+    return info["peak"] / 2**20

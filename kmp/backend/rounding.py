@@ -64,3 +64,17 @@ def to_bfloat16(value: Any, rounding: str, seed: Any = None) -> Any:
     rounded = tf.bitcast(bits, tf.float32)
     rounded = tf.where(tf.math.is_nan(value), value, rounded)
     return tf.cast(rounded, tf.bfloat16)
+
+
+def step_seed(seed: int, step: Any, stream: int) -> Any:
+    """The seed of one step's draw for one stored value (`to_bfloat16`):
+    the optimizer's `seed` and the `step` in one int64, the `stream` (which
+    variable's which moment) in the other."""
+    import tensorflow as tf
+
+    return tf.stack(
+        [
+            tf.cast(seed, tf.int64) * (1 << 32) + tf.cast(step, tf.int64),
+            tf.constant(stream, tf.int64),
+        ]
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keras
 
+from kmp.backend import normalization
 from kmp.precision import policy as policy_lib
 
 
@@ -50,10 +51,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # The fused computation is TensorFlow's: on JAX the layer is Keras's.
         if keras.backend.backend() != "tensorflow":
             return super().call(inputs, training=training, mask=mask)
-        import tensorflow as tf
-
-        from kmp.backend import normalization
-
         if (
             mask is not None
             or not fusable_settings(self)
@@ -78,11 +75,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 inputs,
                 scale,
                 offset,
-                tf.convert_to_tensor(self.moving_mean),
-                tf.convert_to_tensor(self.moving_variance),
+                keras.ops.convert_to_tensor(self.moving_mean),
+                keras.ops.convert_to_tensor(self.moving_variance),
                 self.epsilon,
             )
-        return tf.cast(outputs, self.compute_dtype)
+        return keras.ops.cast(outputs, self.compute_dtype)
 
 
 def fusable_settings(layer: keras.layers.BatchNormalization) -> bool:

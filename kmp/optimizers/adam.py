@@ -26,6 +26,7 @@ from typing import Any
 
 import keras
 
+from kmp.backend import distribute
 from kmp.backend import rounding as rounding_lib
 from kmp.backend.jax import rounding as jax_rounding
 
@@ -80,15 +81,9 @@ class _HalfState:
         ):
             dtype = variable.dtype  # only float32 weights get 16-bit moments
         name = f"{path.replace('/', '_').replace(':', '_')}_{name}"
-        if keras.backend.backend() != "tensorflow":
-            return self.add_variable(shape=variable.shape, dtype=dtype, name=name)
-        import tensorflow as tf
-
         # Placed with its weight, as Keras places its own optimizers' slots
-        # (`add_variable_from_reference`, which cannot take another dtype):
-        # under a parameter-server strategy, on the weight's server.
-        reference = variable.value if isinstance(variable, keras.Variable) else variable
-        with tf.distribute.get_strategy().extended.colocate_vars_with(reference):
+        # (`add_variable_from_reference`, which cannot take another dtype).
+        with distribute.colocated_with(variable):
             return self.add_variable(shape=variable.shape, dtype=dtype, name=name)
 
     def _store(self, slot, value, index: int, which: int) -> None:
@@ -107,18 +102,10 @@ class _HalfState:
             )
             self.assign(slot, rounded)
             return
-        import tensorflow as tf
-
         seed = None
         if self.rounding == "stochastic":
             # A draw per step, per moment: (seed, step), (variable, moment).
-            seed = tf.stack(
-                [
-                    tf.cast(self.seed, tf.int64) * (1 << 32)
-                    + tf.cast(self.iterations, tf.int64),
-                    tf.constant(3 * index + which, tf.int64),
-                ]
-            )
+            seed = rounding_lib.step_seed(self.seed, self.iterations, 3 * index + which)
         self.assign(slot, rounding_lib.to_bfloat16(value, self.rounding, seed))
 
     def update_step(self, gradient, variable, learning_rate):

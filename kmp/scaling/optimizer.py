@@ -209,11 +209,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale as a float32 scalar tensor (1.0 in mode
         `'none'`). `float()` of it works under a distribution strategy too,
         where the variable (`dynamic_scale`) refuses it."""
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            return tf.convert_to_tensor(self._scale.value)
-        return self._scale.value.value
+        return distribute.value(self._scale.value)
 
     @property
     def dynamic_scale(self) -> keras.Variable:

@@ -38,6 +38,7 @@ from typing import Any
 
 import keras
 
+from kmp.backend import distribute
 from kmp.backend import graph
 from kmp.backend.jax import state as jax_state
 from kmp.scaling import applied_loss
@@ -119,8 +120,6 @@ class LossScaleTelemetry(keras.metrics.Metric):
             # Inside the JAX step the optimizer's values are not in scope:
             # kmp's train function reads them from the state it returns.
             return {}
-        import tensorflow as tf
-
         optimizers = self._optimizers()
         logs = {}
         trained = False
@@ -141,15 +140,13 @@ class LossScaleTelemetry(keras.metrics.Metric):
                 scale = loss_scale_of(opt)
                 if scale is not None and graph.assigned_here(scale):
                     trained = True
-                    logs[f"{prefix}loss_scale"] = tf.convert_to_tensor(scale)
+                    logs[f"{prefix}loss_scale"] = distribute.value(scale)
         return logs if trained else {}
 
 
 def _read(variables: list) -> list:
     """The values of variables, read in the step being traced (TensorFlow)."""
-    import tensorflow as tf
-
-    return [tf.convert_to_tensor(v) for v in variables]
+    return [distribute.value(v) for v in variables]
 
 
 def _values(opt, prefix: str, epoch_start, read=_read) -> dict[str, Any]:

@@ -234,15 +234,7 @@ def run_one(
     )
     stopped_early = len(times) < steps + WARMUP_STEPS
     timed = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times[1:]
-    gpu_peak = None
-    if keras.backend.backend() == "jax":
-        if machine.capabilities().gpus:
-            gpu_peak = _runs.tensors_peak_mb()
-    else:
-        import tensorflow as tf
-
-        if tf.config.list_physical_devices("GPU"):
-            gpu_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    gpu_peak = machine.tensors_peak_mb(gpu_only=True)
     skipped = getattr(net.optimizer, "skipped_steps_total", None)
     if skipped is not None:
         skipped = int(keras.ops.convert_to_numpy(skipped))

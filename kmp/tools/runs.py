@@ -68,25 +68,11 @@ def in_fresh_process(
 
 
 def tensors_peak_mb() -> float | None:
-    """The peak of TensorFlow's live tensors in this process so far, in MiB:
-    on the first GPU where there is one, else in host memory (weights,
-    optimizer state, gradients, activations, input batches; not the
-    runtime's own code and caches). None where TensorFlow keeps no count.
-    On JAX, the peak of its live arrays on its first device, where it keeps
-    one (GPUs, TPUs; not CPUs)."""
-    import keras
+    """The peak of the live tensors in this process so far, in MiB
+    (`kmp.backend.machine.tensors_peak_mb`)."""
+    from kmp.backend import machine
 
-    if keras.backend.backend() == "jax":
-        from kmp.backend.jax import devices as jax_devices
-
-        return jax_devices.peak_memory_mb()
-    import tensorflow as tf
-
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-    try:
-        return tf.config.experimental.get_memory_info(device)["peak"] / 2**20
-    except (ValueError, RuntimeError):
-        return None
+    return machine.tensors_peak_mb()
 
 
 class RunFailed(RuntimeError):
