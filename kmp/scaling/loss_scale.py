@@ -16,6 +16,7 @@ from collections.abc import Callable
 import keras
 
 from kmp._base import warn as _warn
+from kmp.backend import sparse
 from kmp.scaling.config import DYNAMIC
 from kmp.scaling.config import NONE
 from kmp.scaling.config import STATIC
@@ -136,17 +137,12 @@ class LossScale:
                 keras.ops.cast(values, "float32") * factor, values.dtype
             )
 
-        sparse = ()  # TensorFlow's sparse gradients, whose values are unscaled
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            sparse = tf.IndexedSlices
         out = []
         for g, v in zip(grads, variables, strict=True):
             if g is None or getattr(v, "overwrite_with_gradient", False):
                 out.append(g)
-            elif isinstance(g, sparse):
-                out.append(tf.IndexedSlices(times(g.values), g.indices, g.dense_shape))
+            elif sparse.is_sparse(g):  # its rows are unscaled
+                out.append(sparse.map_values(g, times))
             else:
                 out.append(times(g))
         return out

@@ -61,6 +61,7 @@ from typing import Any
 import keras
 
 from kmp._base import warn as _warn
+from kmp.backend import data
 from kmp.backend import fused
 from kmp.backend import tracing
 from kmp.backend.jax import state as jax_state
@@ -413,11 +414,7 @@ def _from_fit(iterator: Any) -> bool:
     JAX both hand over generators, and kmp's telemetry metric reports
     nothing there: every call is taken as fit's, so that train_on_batch
     returns the telemetry as it does on TensorFlow."""
-    if keras.backend.backend() == "jax":
-        return True
-    import tensorflow as tf
-
-    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
+    return keras.backend.backend() == "jax" or data.is_dataset_iterator(iterator)
 
 
 def _build(model: keras.Model, iterator: Any) -> None:
@@ -426,17 +423,8 @@ def _build(model: keras.Model, iterator: Any) -> None:
     nothing runs), where they are one tensor or a tuple or list of tensors.
     Without a strategy, Keras builds a model only inside its first traced
     step, after the layers' policies were read."""
-    spec = getattr(iterator, "element_spec", None)  # a tf.data iterator's
-    if spec is None:
-        return
-    import tensorflow as tf
-
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(spec)
-    if isinstance(x, tf.TensorSpec):
-        shape = tuple(x.shape)
-    elif isinstance(x, (tuple, list)) and all(isinstance(t, tf.TensorSpec) for t in x):
-        shape = tuple(tuple(t.shape) for t in x)
-    else:
+    shape = data.input_shape(iterator)
+    if shape is None:
         return
     with warnings.catch_warnings():
         # Where Keras cannot build it so, it says so and leaves it unbuilt:
