@@ -422,7 +422,7 @@ def test_the_op_trace_is_read_from_a_jaxpr_and_names_each_layer():
     assert attention.scores == ("bfloat16",)
     assert attention.matmuls == 2 and traced.of("proj").matmuls == 1
     assert traced.of("halved").softmax == ()
-    assert traced.of("logprobs").softmax
+    assert traced.of("logprobs").softmax == ("bfloat16",)
     assert traced.of("head").softmax == ("bfloat16",)
     assert traced.of("head").scores == ()
 
@@ -787,15 +787,40 @@ def test_bfloat16_moments_round_stochastically_on_jax():
     assert len(np.unique(stochastic)) > 1  # each weight draws its own
 
 
-@pytest.mark.parametrize("name", ["Adam", "AdamW"])
-def test_kmps_bfloat16_moment_optimizers_train_as_keras_s_on_jax(name):
-    def losses(optimizer):
+@pytest.mark.parametrize(
+    "name, accumulation", [("Adam", None), ("AdamW", None), ("Adam", 2)]
+)
+def test_kmps_bfloat16_moment_optimizers_train_as_keras_s_on_jax(name, accumulation):
+    def fit(optimizer):
         kmp.set_policy("mixed_float16")
         model = kmp.compile(mlp(), optimizer, "mse")
         x, y = data(256)
-        return model.fit(x, y, epochs=4, batch_size=32, verbose=0).history["loss"]
+        history = model.fit(x, y, epochs=4, batch_size=32, verbose=0)
+        return history.history["loss"], model
 
-    keras_s = losses(getattr(keras.optimizers, name)(1e-2))
-    ours = losses(getattr(kmp.optimizers, name)(1e-2))
-    assert keras_s[-1] < 0.5 * keras_s[0]  # it trained
+    settings = {"gradient_accumulation_steps": accumulation}
+    keras_s, _ = fit(getattr(keras.optimizers, name)(1e-2, **settings))
+    ours, model = fit(getattr(kmp.optimizers, name)(1e-2, **settings))
+    assert keras_s[-1] < 0.7 * keras_s[0]  # it trained
     assert abs(ours[-1] - keras_s[-1]) < 0.05 * keras_s[-1]
+    moments = model.optimizer.inner_optimizer._momentums
+    assert {str(m.dtype) for m in moments} == {"bfloat16"}
+
+
+def test_jax_rounding_to_bfloat16_refuses_what_it_cannot_do():
+    from kmp.backend.jax import rounding
+
+    x = jax.numpy.array([1.0 + 2.0**-9, float("nan"), float("inf")])
+    nearest = np.asarray(rounding.to_bfloat16(x, "nearest").astype("float32"))
+    assert nearest[0] == 1.0 and np.isnan(nearest[1]) and nearest[2] == np.inf
+    stochastic = rounding.to_bfloat16(x, "stochastic", seed=3).astype("float32")
+    assert np.isnan(np.asarray(stochastic)[1])  # NaN passed through
+    assert np.array_equal(  # the same draw for the same (seed, step, stream)
+        np.asarray(stochastic),
+        np.asarray(rounding.to_bfloat16(x, "stochastic", seed=3).astype("float32")),
+        equal_nan=True,
+    )
+    with pytest.raises(ValueError, match="needs a seed"):
+        rounding.to_bfloat16(x, "stochastic")
+    with pytest.raises(ValueError, match="rounding must be"):
+        rounding.to_bfloat16(x, "up")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import keras
 
+from kmp.backend import distribute
 from kmp.backend import normalization
 from kmp.precision import policy as policy_lib
 
@@ -75,8 +76,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 inputs,
                 scale,
                 offset,
-                keras.ops.convert_to_tensor(self.moving_mean),
-                keras.ops.convert_to_tensor(self.moving_variance),
+                distribute.value(self.moving_mean),
+                distribute.value(self.moving_variance),
                 self.epsilon,
             )
         return keras.ops.cast(outputs, self.compute_dtype)

@@ -97,7 +97,9 @@ class _HalfState:
                 value,
                 self.rounding,
                 self.seed,
-                self.iterations.value,
+                # A tensor: with gradient accumulation, `iterations` is
+                # computed, not a variable.
+                keras.ops.convert_to_tensor(self.iterations),
                 3 * index + which,
             )
             self.assign(slot, rounded)

@@ -370,8 +370,9 @@ def _forward(var: Any, consumers: dict, wanted: set, through: frozenset) -> list
 
 
 def _computed_from(weights: set, jaxpr: Any) -> set:
-    """`weights` and what the jaxpr computes from them alone (and constants):
-    a LoRA kernel's sum, a dequantized kernel, a cast or a reshape."""
+    """`weights` and what the jaxpr computes from them alone (and literals):
+    a LoRA kernel's sum, a dequantized kernel, a cast or a reshape, and a
+    learned query too (attention pooling's: its scores are not read)."""
     found = set(weights)
     for eqn in jaxpr.eqns:  # in order: each equation's inputs come first
         inputs = [v for v in eqn.invars if not _is_literal(v)]
@@ -382,8 +383,8 @@ def _computed_from(weights: set, jaxpr: Any) -> set:
 
 def _scores(eqn: Any, weights: set, consumers: dict, softmaxes: dict) -> bool:
     """Whether `eqn` computes attention scores: a product of two computed
-    tensors (neither a weight: a Dense layer's product with its kernel is
-    not one) whose result flows into a softmax."""
+    tensors (neither computed from weights alone: a Dense layer's product
+    with its kernel is not one) whose result flows into a softmax."""
     return (
         eqn.primitive.name in _MATMUL
         and not any(not _is_literal(v) and v in weights for v in eqn.invars)
