@@ -6,11 +6,10 @@ second Keras backend needs a new edge here, not a new core; JAX's is
 
 TensorFlow is imported inside the functions that use it, not when a module
 is imported (`kmp.ScaledGradientTape`'s base class alone is imported with
-its module, under Keras's TensorFlow backend only): `import kmp` under
+its module, under Keras's TensorFlow backend only). So `import kmp` under
 Keras's JAX backend imports no TensorFlow, and kmp runs where none is
-installed. A function that other
-backends reach answers for them first (`keras.backend.backend()`), then
-imports TensorFlow.
+installed. A function that other backends reach answers for them first
+(`keras.backend.backend()`), then imports TensorFlow.
 
 Importing it registers the machine's part of the policies (`'auto'` and the
 float16 CPU fast path) with `kmp.precision.policy`.

@@ -323,9 +323,9 @@ def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
         if eqn.primitive.name != "exp":
             continue
         exp_out = eqn.outvars[0]
-        sums = _forward(exp_out, consumers, {"reduce_sum"}, through=_SHAPE)
+        sums = _forward(exp_out, consumers, {"reduce_sum"})
         totals = {v for s in sums for v in _following(s.outvars[0], consumers)}
-        for div in _forward(exp_out, consumers, {"div"}, through=_SHAPE):
+        for div in _forward(exp_out, consumers, {"div"}):
             divisor = div.invars[1] if len(div.invars) == 2 else None
             if divisor is not None and not _is_literal(divisor) and divisor in totals:
                 found[id(eqn)] = div
@@ -335,7 +335,7 @@ def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
             for log in (c for t in totals for c in consumers.get(t, [])):
                 if log.primitive.name != "log":
                     continue
-                subs = _forward(log.outvars[0], consumers, {"sub"}, through=_SHAPE)
+                subs = _forward(log.outvars[0], consumers, {"sub"})
                 if subs:
                     found[id(eqn)] = subs[0]
                     break
@@ -360,11 +360,11 @@ def _following(var: Any, consumers: dict) -> set:
     return seen
 
 
-def _forward(var: Any, consumers: dict, wanted: set, through: frozenset) -> list:
+def _forward(var: Any, consumers: dict, wanted: set) -> list:
     """The equations of kind `wanted` that take `var`, directly or through
-    equations of kind `through`."""
+    reshapes, broadcasts and casts."""
     found = []
-    for v in _following(var, consumers) if through else {var}:
+    for v in _following(var, consumers):
         found.extend(c for c in consumers.get(v, []) if c.primitive.name in wanted)
     return found
 
@@ -395,14 +395,13 @@ def _scores(eqn: Any, weights: set, consumers: dict, softmaxes: dict) -> bool:
 def _reaches(eqn: Any, consumers: dict, softmaxes: dict, depth: int = 10) -> bool:
     """Whether a product's result flows into a softmax's `exp` through
     scaling, masking and reshaping alone."""
-    exps = set(softmaxes)
     frontier = [eqn]
     for _ in range(depth):
         following = []
         for node in frontier:
             for var in node.outvars:
                 for c in consumers.get(var, []):
-                    if id(c) in exps:
+                    if id(c) in softmaxes:
                         return True
                     if c.primitive.name in _TO_SOFTMAX:
                         following.append(c)
