@@ -9,10 +9,10 @@ optimizer's by building a copy of it on stand-ins of the model's trainable
 variables that hold no memory: exact for any optimizer class). The step's
 own grow with the batch, by an amount per sample no formula gives for every
 layer (what a layer saves for its gradient depends on its kernels), so they
-are measured: two forward and backward passes, at two small batch sizes, in
-a `tf.function` as `fit` runs its step; their difference gives the memory
-per sample, and the rest is what does not grow with the batch (the
-gradients among it).
+are measured: forward and backward passes at two small batch sizes (the
+median of three at each), in a `tf.function` as `fit` runs its step; their
+difference gives the memory per sample, and the rest is what does not grow
+with the batch (the gradients among it).
 On a CPU, TensorFlow's allocator (oneDNN's) does not count requests under
 256 KiB: the measurement leaves out the step's smaller tensors, all of them
 in a small model. The step is then counted as at least its gradients (the
@@ -37,8 +37,9 @@ from kmp._base import warn as _warn
 from kmp.internals import keras_private
 
 MIB = 2**20
-# The two batch sizes the step is measured at.
+# The two batch sizes the step is measured at, and the passes at each.
 PROBE_BATCHES = (4, 16)
+PASSES = 3
 # The tensor sizes tried to find the smallest that the memory count sees:
 # powers of two from 256 bytes (the GPU allocator's smallest block) to 16 MiB.
 _PROBE_SIZES = tuple(2**k for k in range(8, 25))
@@ -203,16 +204,18 @@ def _smallest_counted(device: str) -> int:
 
 
 def _step_peak(model: keras.Model, batch: Any) -> int:
-    """The peak of live tensors above those live before, over one forward
+    """The peak of live tensors above those live before, over a forward
     and backward pass on `batch`: at least the gradients it returns, which
     are live together at its end (a CPU's count misses tensors under 256
-    KiB)."""
+    KiB). The median of `PASSES` passes: the order in which the runtime
+    runs independent ops moves one pass's peak. Each pass is a function
+    traced anew: a kernel keeps buffers from its first run, which its later
+    runs reuse unseen."""
     import tensorflow as tf
 
     variables = model.trainable_variables
 
-    @tf.function
-    def step(x):
+    def forward_backward(x):
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
             # Any scalar of the outputs: the backward pass holds the same.
@@ -224,20 +227,23 @@ def _step_peak(model: keras.Model, batch: Any) -> int:
             )
         return tape.gradient(loss, variables)
 
-    step.get_concrete_function(batch)  # traced before the measurement
     device = _device()
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-    except ValueError as e:
-        if "Cannot reset memory stats" not in str(e):
-            raise
-        raise NoMemoryCount(_no_count_message(device, str(e))) from e
-    before = tf.config.experimental.get_memory_info(device)["current"]
-    grads = step(batch)
-    peak = tf.config.experimental.get_memory_info(device)["peak"]
-    returned = _bytes(_held(grads))
-    del grads
-    return max(peak - before, returned)
+    peaks = []
+    for _ in range(PASSES):
+        step = tf.function(forward_backward)
+        step.get_concrete_function(batch)  # traced before the measurement
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except ValueError as e:
+            if "Cannot reset memory stats" not in str(e):
+                raise
+            raise NoMemoryCount(_no_count_message(device, str(e))) from e
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        grads = step(batch)
+        peak = tf.config.experimental.get_memory_info(device)["peak"]
+        peaks.append(max(peak - before, _bytes(_held(grads))))
+        del grads, step
+    return sorted(peaks)[len(peaks) // 2]
 
 
 class NoMemoryCount(RuntimeError):
@@ -264,9 +270,9 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates, before training, the tensors a training step of `model`
     holds at its peak: weights, optimizer state, and the step's own tensors
-    measured by two forward and backward passes at small batch sizes. The
-    model's state is left as it was (the
-    moving statistics a normalization layer updates are restored).
+    measured by forward and backward passes at two small batch sizes. The
+    model's state is left as it was (the moving statistics a normalization
+    layer updates are restored).
 
     Args:
         model: A built Keras model, under the policy to estimate.
