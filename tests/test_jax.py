@@ -252,6 +252,121 @@ def test_fused_update_true_is_refused_with_the_reason():
         model.fit(x, y, verbose=0)
 
 
+class Gan:
+    """A GAN's two models and two optimizers, trained in one jitted step:
+    Keras's JAX fit carries the state of `model.optimizer` alone, so a
+    second optimizer's state travels in a loop of one's own."""
+
+    def __init__(self):
+        keras.utils.set_random_seed(0)
+        self.g = kmp.prepare(
+            keras.Sequential(
+                [keras.Input((4,)), keras.layers.Dense(16), keras.layers.Dense(8)]
+            )
+        )
+        self.d = kmp.prepare(
+            keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)]
+            )
+        )
+        self.d_opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        self.g_opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        self.d_opt.build(self.d.trainable_variables)
+        self.g_opt.build(self.g.trainable_variables)
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def variables(self):
+        return (
+            self.d.trainable_variables,
+            self.g.trainable_variables,
+            self.d_opt.variables,
+            self.g_opt.variables,
+        )
+
+    def logits(self, d_values, g_values, z):
+        fake, _ = self.g.stateless_call(g_values, [], z)
+        return self.d.stateless_call(d_values, [], fake)[0]
+
+    def d_loss(self, d_values, g_values, d_opt_values, real, z):
+        real_logits, _ = self.d.stateless_call(d_values, [], real)
+        fake_logits = self.logits(d_values, g_values, z)
+        loss = self.bce(keras.ops.ones_like(real_logits), real_logits) + self.bce(
+            keras.ops.zeros_like(fake_logits), fake_logits
+        )
+        return self.scaled(self.d_opt, d_opt_values, loss), loss
+
+    def g_loss(self, g_values, d_values, g_opt_values, z, scale):
+        logits = self.logits(d_values, g_values, z)
+        loss = self.bce(keras.ops.ones_like(logits), logits)
+        return (self.scaled(self.g_opt, g_opt_values, loss) if scale else loss), loss
+
+    @staticmethod
+    def scaled(optimizer, values, loss):
+        mapping = list(zip(optimizer.variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return optimizer.scale_loss(loss)
+
+    def step(self, scale_g_loss=True):
+        @jax.jit
+        def step(state, real, z):
+            d_values, g_values, d_opt_values, g_opt_values = state
+            _, grads = jax.value_and_grad(self.d_loss, has_aux=True)(
+                d_values, g_values, d_opt_values, real, z
+            )
+            d_values, d_opt_values = self.d_opt.stateless_apply(
+                d_opt_values, grads, d_values
+            )
+            _, grads = jax.value_and_grad(self.g_loss, has_aux=True)(
+                g_values, d_values, g_opt_values, z, scale_g_loss
+            )
+            g_values, g_opt_values = self.g_opt.stateless_apply(
+                g_opt_values, grads, g_values
+            )
+            return d_values, g_values, d_opt_values, g_opt_values
+
+        return step
+
+
+def test_a_gan_s_two_optimizers_each_scale_and_skip_their_own_step():
+    kmp.set_policy("mixed_float16")
+    gan = Gan()
+    step = gan.step()
+    state = tuple([v.value for v in vs] for vs in gan.variables())
+    rng = np.random.default_rng(0)
+    real, z = rng.normal(size=(16, 8)), rng.normal(size=(16, 4))
+    changed = []
+    for poisoned in (False, True, False):
+        batch = real.copy()
+        if poisoned:
+            batch[0, 0] = np.inf  # only the discriminator's loss sees it
+        new = step(state, batch.astype("float32"), z.astype("float32"))
+        changed.append(
+            [
+                not all(np.array_equal(a, b) for a, b in zip(old, now, strict=True))
+                for old, now in zip(state[:2], new[:2], strict=True)
+            ]
+        )
+        state = new
+    for variables, values in zip(gan.variables(), state, strict=True):
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(value)
+    # [discriminator, generator] changed: the poisoned step skipped the
+    # discriminator's update alone.
+    assert changed == [[True, True], [False, True], [True, True]]
+    assert int(gan.d_opt.skipped_steps_total) == 1
+    assert int(gan.g_opt.skipped_steps_total) == 0
+    assert float(gan.d_opt.loss_scale) == float(gan.g_opt.loss_scale) / 2
+
+
+def test_a_gan_s_loss_scaled_by_no_optimizer_is_refused_by_its_own():
+    kmp.set_policy("mixed_float16")
+    gan = Gan()
+    state = tuple([v.value for v in vs] for vs in gan.variables())
+    x = np.ones((4, 8), "float32")
+    with pytest.raises(kmp.LossScaleError, match=r"optimizer.scale_loss\(loss\)"):
+        gan.step(scale_g_loss=False)(state, x, np.ones((4, 4), "float32"))
+
+
 @pytest.mark.skipif(
     keras.backend.backend() == "jax" and len(jax.devices()) < 2,
     reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2",
