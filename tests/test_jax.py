@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kmp
+from kmp.planning import decisions as planning
 from kmp.training import stall
 
 pytestmark = pytest.mark.skipif(
@@ -939,3 +940,97 @@ def test_jax_rounding_to_bfloat16_refuses_what_it_cannot_do():
         rounding.to_bfloat16(x, "stochastic")
     with pytest.raises(ValueError, match="rounding must be"):
         rounding.to_bfloat16(x, "up")
+
+
+class Head(keras.Model):
+    """A subclassed model with a loss of its own: its call's last layer
+    hands its output to `compute_loss`, not to Keras's loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        return keras.ops.reshape(self.head(self.hidden(x)), (-1, 2))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kw):
+        return keras.ops.mean(keras.ops.square(y_pred - y))
+
+
+def test_a_subclassed_models_output_layer_is_read_from_the_jaxpr():
+    kmp.set_policy("mixed_float16")
+    model = Head()
+    model(np.ones((2, 8), "float32"))
+    kmp.prepare(model)
+    # Its head's output reaches compute_loss in float32, as on TensorFlow.
+    assert model.head.compute_dtype == "float32"
+    assert model.hidden.compute_dtype == "float16"
+    kmp.compile(model, keras.optimizers.SGD(0.01))
+    history = model.fit(*data(32), batch_size=8, epochs=2, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+
+
+def test_token_ids_a_layer_hands_only_to_its_embedding_are_read_from_the_jaxpr():
+    class Passes(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.embed = keras.layers.Embedding(20000, 4)
+
+        def call(self, x):
+            return self.embed(x) * 2.0
+
+    class UsesThem(Passes):
+        def call(self, x):
+            return self.embed(x) + keras.ops.expand_dims(x, -1)
+
+    kmp.set_policy("mixed_bfloat16")
+    ids = keras.Input((3,))  # float32 token ids, as in keras-io's examples
+    passes, uses = Passes(), UsesThem()
+    model = keras.Model(
+        ids, keras.layers.Dense(2)(keras.layers.Add()([passes(ids), uses(ids)]))
+    )
+    kmp.prepare(model)
+    plan = planning.plan(model)
+    assert plan.decision(passes.name).rule == planning.TOKEN_IDS
+    x = np.array([[19999.0, 19998.0, 3.0]], "float32")
+    rows = np.asarray(passes(x), "float32")
+    assert not np.allclose(rows[0, 0], rows[0, 1])  # 19999 was not rounded
+    assert uses.compute_dtype == "bfloat16"
+    assert "would change what it returns" in plan.decision(uses.name).note
+
+
+@pytest.mark.parametrize("returns_scores", [False, True])
+def test_attention_scores_that_leave_the_layer_are_read_from_the_jaxpr(
+    returns_scores,
+):
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__(name="block")
+            # dropout > 0: Keras computes the scores with its Softmax layer.
+            self.att = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+
+        def call(self, x):
+            if returns_scores:
+                y, scores = self.att(x, x, return_attention_scores=True)
+                return keras.ops.multiply(y, keras.ops.mean(scores))
+            return x + self.att(x, x)
+
+    kmp.set_policy("mixed_float16")
+    inputs = keras.Input((5, 8))
+    block = Block()
+    model = kmp.prepare(keras.Model(inputs, keras.layers.Dense(2)(block(inputs))))
+    softmax = f"block/{block.att.name}/{block.att._softmax.name}"
+    rule = planning.plan(model).decision(softmax).rule
+    if returns_scores:  # what the caller receives keeps its dtype
+        assert (rule, block.att._softmax.compute_dtype) == (
+            planning.SCORES_KEPT,
+            "float16",
+        )
+    else:
+        assert (rule, block.att._softmax.compute_dtype) == (
+            planning.ATTENTION_SCORES,
+            "float32",
+        )
+    assert block.att.query_dense.compute_dtype == "float32"
+    assert np.isfinite(model.predict(np.ones((2, 5, 8)), verbose=0)).all()

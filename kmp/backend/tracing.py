@@ -475,7 +475,9 @@ class Forward:
     from.
 
     Attributes:
-        graph: The traced graph, or None.
+        graph: The traced graph, or None. On JAX, a
+            `kmp.backend.jax.flow.Forward`, which answers the questions
+            below itself.
         outputs: The model's float output tensors in it.
         chains: Per op name, the layers whose calls the op ran in,
             outermost first (`owners`), read once for every choice.
@@ -501,6 +503,13 @@ def forward(model: keras.layers.Layer) -> Forward:
     specs = _input_specs(model)
     if specs is None:
         return Forward(error=_no_shapes(model))
+    if keras.backend.backend() == "jax":
+        from kmp.backend.jax import flow
+
+        try:
+            return Forward(graph=flow.Forward(model, specs))
+        except Exception as e:  # any failure of user code: choices fall back
+            return Forward(error=error_line(e))
     concrete, error, _ = _concrete(model, specs)
     if error:
         return Forward(error=error)
@@ -535,7 +544,10 @@ def float32_output_mixes(
     read from `traced`: the op, as `'Sub in Net'`. None where it would meet
     none: it reaches only casts, Keras layers (which cast their inputs),
     Python numbers and the model's outputs. A 16-bit constant kmp cannot
-    tell from one made in a fixed dtype counts as a 16-bit tensor."""
+    tell from one made in a fixed dtype counts as a 16-bit tensor. None on
+    JAX, whose ops (`jax.numpy`'s, Keras's) promote mixed float dtypes."""
+    if keras.backend.backend() == "jax":
+        return None
     ops = traced.graph.get_operations()
     chains = traced.chains
     inside = {name for name, chain in chains.items() if layer in chain}
@@ -604,6 +616,8 @@ def hands_out(
     unchanged (through reshapes, slices and identities, not math): an
     attention layer that returns its softmax's scores. Read from
     `traced`."""
+    if keras.backend.backend() == "jax":
+        return traced.graph.hands_out(layer, part)
     chains = traced.chains
     outer = {name for name, chain in chains.items() if layer in chain}
     own = {name for name, chain in chains.items() if part in chain}
@@ -629,6 +643,8 @@ def input_only_feeds_sublayers(traced: Forward, layer: keras.layers.Layer) -> bo
     (through reshapes, slices and casts, not math), read from `traced`: then
     what it returns does not depend on the dtype its inputs arrive in. False
     where it did not run in the trace."""
+    if keras.backend.backend() == "jax":
+        return traced.graph.input_only_feeds_sublayers(layer)
     ops = traced.graph.get_operations()
     chains = traced.chains
     inside = {name for name, chain in chains.items() if layer in chain}
@@ -689,6 +705,8 @@ def output_sources(
     traced = traced or forward(model)
     if traced.error:
         return OutputSources(error=traced.error)
+    if keras.backend.backend() == "jax":
+        return OutputSources(*traced.graph.output_sources())
     found: set[int] = set()
     seen: set[str] = set()
     ran = {id(chain[0]) for chain in traced.chains.values() if chain}

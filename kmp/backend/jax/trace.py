@@ -108,6 +108,15 @@ def layer_ops(
     Raises:
         Whatever the model's code raises while it is traced.
     """
+    closed = _jaxpr(model, specs)
+    weights = len(model.trainable_variables) + len(model.non_trainable_variables)
+    return _read(model, closed.jaxpr, set(closed.jaxpr.invars[:weights]))
+
+
+def _jaxpr(model: keras.layers.Layer, specs: Any) -> Any:
+    """The closed jaxpr of `model(x, training=False)` for `specs`, made from
+    abstract values: its first inputs are the trainable, then the
+    non-trainable variables' values; nothing runs."""
     import jax
 
     def abstract(t):
@@ -127,13 +136,11 @@ def layer_ops(
         with keras.StatelessScope(state_mapping=mapping):
             return model(x, training=False)
 
-    closed = jax.make_jaxpr(forward)(
+    return jax.make_jaxpr(forward)(
         values(model.trainable_variables),
         values(model.non_trainable_variables),
         keras.tree.map_structure(abstract, specs),
     )
-    weights = len(model.trainable_variables) + len(model.non_trainable_variables)
-    return _read(model, closed.jaxpr, set(closed.jaxpr.invars[:weights]))
 
 
 def _read(
