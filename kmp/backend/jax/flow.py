@@ -18,45 +18,9 @@ import keras
 
 from kmp.backend.jax import trace
 
-# Calls whose equations are inlined.
-_CALLS = frozenset(
-    [
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "remat",
-        "remat2",
-        "checkpoint",
-    ]
-)
-# Equations that hand a value on unchanged in dtype: reshapes, slices,
-# copies and selections (not a cast, not math).
-_MOVES = frozenset(
-    [
-        "reshape",
-        "broadcast_in_dim",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "slice",
-        "dynamic_slice",
-        "gather",
-        "concatenate",
-        "pad",
-        "select_n",
-        "copy",
-        "copy_p",
-        "rev",
-        "split",
-        "stop_gradient",
-        "device_put",
-        "sharding_constraint",
-    ]
-)
+# Calls whose equations are inlined; equations that hand a value on
+# unchanged in dtype (reshapes, slices, copies, selections).
+_CALLS, _MOVES = trace._CALLS, trace._MOVES
 _CAST = "convert_element_type"
 
 

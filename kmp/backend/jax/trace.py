@@ -26,11 +26,10 @@ import keras
 from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
 
-# Primitives that move, reshape or select data, or compute on indices and
-# masks: everything else with a float output is math.
-_DATA = frozenset(
+# Primitives that hand a value on unchanged in dtype: reshapes, slices,
+# copies and selections.
+_MOVES = frozenset(
     [
-        "convert_element_type",
         "reshape",
         "broadcast_in_dim",
         "transpose",
@@ -38,35 +37,51 @@ _DATA = frozenset(
         "expand_dims",
         "slice",
         "dynamic_slice",
-        "dynamic_update_slice",
         "gather",
-        "scatter",
         "concatenate",
         "pad",
         "select_n",
-        "stop_gradient",
         "copy",
         "copy_p",
-        "iota",
         "rev",
         "split",
+        "stop_gradient",
         "device_put",
         "sharding_constraint",
-        "jit",
+    ]
+)
+# Calls of a jitted function, a custom derivative or a rematerialized one.
+_CALLS = frozenset(
+    [
         "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
         "custom_jvp_call",
         "custom_vjp_call",
         "custom_vjp_call_jaxpr",
-        "cond",
-        "while",
-        "scan",
         "remat",
         "remat2",
         "checkpoint",
-        "closed_call",
-        "core_call",
-        "shard_map",
     ]
+)
+# Primitives that move, reshape or select data, or compute on indices and
+# masks: everything else with a float output is math.
+_DATA = (
+    _MOVES
+    | _CALLS
+    | frozenset(
+        [
+            "convert_element_type",
+            "dynamic_update_slice",
+            "scatter",
+            "iota",
+            "cond",
+            "while",
+            "scan",
+            "shard_map",
+        ]
+    )
 )
 _MATMUL = frozenset(["dot_general"])
 # Between the query x key product and the softmax: scaling, masking, bias,
