@@ -184,12 +184,9 @@ def start_tensorflow(for_life: bool = False) -> None:
 
 
 def _import_and_list_devices() -> None:
-    import keras
+    from kmp.backend import machine
 
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        tf.config.list_physical_devices()
+    machine.find_devices()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.scaling import unscaling
+from kmp.backend import backward
 from kmp.training import tf_keras as mixed_precision
 
 SCALE = 1024.0
@@ -590,15 +590,15 @@ def test_tape_gradients_from_another_function_applied_without_saying_so_are_refu
 @pytest.fixture
 def fresh_self_check():
     """The self-check of what kmp reads, run again at its next use."""
-    unscaling._misread_cases.cache_clear()
+    backward.misread_cases.cache_clear()
     yield
-    unscaling._misread_cases.cache_clear()
+    backward.misread_cases.cache_clear()
 
 
 def test_the_self_check_of_what_kmp_reads_passes_on_this_tensorflow(
     fresh_self_check,
 ):
-    assert unscaling._misread_cases() == ()
+    assert backward.misread_cases() == ()
 
 
 def test_the_self_check_run_inside_a_traced_loop_leaves_the_step_right(
@@ -619,7 +619,7 @@ def test_the_self_check_run_inside_a_traced_loop_leaves_the_step_right(
     with pytest.warns(UserWarning, match="never scaled"):
         step()
     assert_right_size(w, before)
-    assert unscaling._misread_cases.cache_info().currsize == 1
+    assert backward.misread_cases.cache_info().currsize == 1
 
 
 def test_a_step_that_never_scales_is_refused_where_tensorflow_changed_what_kmp_reads(
@@ -629,7 +629,7 @@ def test_a_step_that_never_scales_is_refused_where_tensorflow_changed_what_kmp_r
     # longer tell a loss never scaled from a scaled one, so it asks, with
     # the line to write, and changes nothing (it divided the update by the
     # loss scale before).
-    monkeypatch.setattr(unscaling, "_BACKWARD_SCOPE", "no_op_is_named_this/")
+    monkeypatch.setattr(backward, "_BACKWARD_SCOPE", "no_op_is_named_this/")
     model = linear_model(UnscaledStep, "mixed_float16")
     kmp.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse")
     before = model.get_weights()

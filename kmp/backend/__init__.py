@@ -1,6 +1,7 @@
 """kmp's TensorFlow edge: what only TensorFlow can answer or do (the
 machine probe, grappler's settings, graph tracing, the range and precision
-passes, `tf.distribute` agreement, the fused XLA update, finite checks). A
+passes, `tf.distribute` agreement, the fused XLA update, finite checks,
+the count of live tensors, the reading of a traced backward pass). A
 second Keras backend needs a new edge here, not a new core; JAX's is
 `kmp.backend.jax`.
 

@@ -71,6 +71,37 @@ def replicas() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+def local_values(variable: Any) -> list:
+    """Each replica's copy of `variable`'s value, as numbers: one outside a
+    strategy (and on other Keras backends)."""
+    if keras.backend.backend() != "tensorflow":
+        return [keras.ops.convert_to_numpy(variable).item()]
+    import tensorflow as tf
+
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    # A distributed variable's value names its strategy (public property of
+    # tf.distribute's values); a plain one is in the default strategy.
+    strategy = getattr(value, "distribute_strategy", None) or (
+        tf.distribute.get_strategy()
+    )
+    return [
+        keras.ops.convert_to_numpy(v).item()
+        for v in strategy.experimental_local_results(value)
+    ]
+
+
+def under_strategy(model: Any) -> bool:
+    """Whether `model` trains under a tf.distribute strategy: one in force,
+    or one it was built in. False on other Keras backends."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy() or (
+        model.distribute_strategy is not tf.distribute.get_strategy()
+    )
+
+
 def in_multi_replica_context() -> bool:
     """Whether code runs inside `strategy.run` with more than one replica."""
     if keras.backend.backend() != "tensorflow":

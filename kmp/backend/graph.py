@@ -30,6 +30,32 @@ _ASSIGNING = frozenset(
 )
 
 
+def building() -> bool:
+    """Whether TensorFlow is building a graph (tracing a `tf.function`):
+    False eagerly, and on other Keras backends."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
+
+
+def detached() -> Any:
+    """A scope in which new variables are nodes of a graph of its own: they
+    have shapes, dtypes and names, and hold no memory."""
+    import tensorflow as tf
+
+    return tf.Graph().as_default()
+
+
+def counter() -> Any:
+    """A new int64 variable at 0, outside any model, that a traced step
+    may add to (`assign_add`) and Python reads (`numpy()`)."""
+    import tensorflow as tf
+
+    return tf.Variable(0, dtype=tf.int64, trainable=False)
+
+
 def assigned_here(variable) -> bool:
     """Whether the graph being built assigns `variable`, or hands it to a
     branch, loop or nested function that may. Eagerly, with no graph to

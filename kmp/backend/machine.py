@@ -161,6 +161,15 @@ def resolve_auto() -> AutoChoice:
     )
 
 
+def find_devices() -> None:
+    """Has the backend find its devices now: TensorFlow prints its start-up
+    notices as it does. JAX finds them at their first use."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+
+
 def tensorflow_version() -> str:
     """TensorFlow's version. On another Keras backend it is read from the
     installed `tensorflow` distribution, without importing it (a JAX user

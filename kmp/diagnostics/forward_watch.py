@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from typing import Any
 
-if TYPE_CHECKING:  # TensorFlow is imported where it is used
-    import tensorflow as tf
+import keras
+
+from kmp.backend import graph
 
 
 class ForwardWatch:
@@ -36,7 +36,7 @@ class ForwardWatch:
         keeps_scale: Whether a step whose loss itself is inf/NaN leaves the
             loss scale as it is: a lower scale cannot fix a forward
             overflow. The step is skipped and counted either way.
-        counter: An int64 `tf.Variable` to which each step whose loss is
+        counter: An int64 variable to which each step whose loss is
             inf/NaN adds one, or None. A call of the train function may run
             several steps (`steps_per_execution`).
     """
@@ -46,7 +46,7 @@ class ForwardWatch:
         optimizer: Any,
         probe: Callable[[Any], None] | None,
         keeps_scale: bool,
-        counter: tf.Variable | None,
+        counter: Any,
     ):
         self._optimizer = weakref.ref(optimizer)
         self.probe = probe
@@ -57,11 +57,10 @@ class ForwardWatch:
     def saw(self, loss: Any, finite: Any, in_scale_loss: bool) -> None:
         """Called by the optimizer with each step's loss (before scaling)
         and whether it is finite, agreed on across replicas."""
-        import tensorflow as tf
-
         if self.counter is not None:
-            self.counter.assign_add(tf.cast(tf.logical_not(finite), self.counter.dtype))
-        if in_scale_loss and self.probe is not None and not tf.executing_eagerly():
+            nonfinite = keras.ops.logical_not(finite)
+            self.counter.assign_add(keras.ops.cast(nonfinite, self.counter.dtype))
+        if in_scale_loss and self.probe is not None and graph.building():
             self.probe(loss)
 
     def renew(self) -> None:
@@ -85,7 +84,7 @@ def watch(
     optimizer: Any,
     probe: Callable[[Any], None] | None = None,
     keeps_scale: bool = False,
-    counter: tf.Variable | None = None,
+    counter: Any = None,
 ) -> None:
     """Sets `optimizer`'s watch (a `kmp.LossScaleOptimizer`'s), or ends it
     where nothing is watched. The step must be traced again to see it."""

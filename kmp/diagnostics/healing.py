@@ -51,12 +51,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 
 from kmp._base import backends
 from kmp._base import warn as _warn
+from kmp.backend import distribute
+from kmp.backend import graph
 from kmp.backend import machine
 from kmp.backend import probe as probe_lib
 from kmp.backend import tracing
@@ -68,9 +70,6 @@ from kmp.precision import traversal
 from kmp.scaling import optimizer as optimizer_lib
 from kmp.training import attach as attach_lib
 from kmp.training import train_function
-
-if TYPE_CHECKING:  # TensorFlow is imported where it is used
-    import tensorflow as tf
 
 WATCHING = "watching"
 DIAGNOSING = "diagnosing"
@@ -238,7 +237,7 @@ class OverflowHealer(keras.callbacks.Callback):
         self._last_overflow = 0
         self._step = 0
         self._batches = 0  # steps run in this epoch, as Keras counts them
-        self._counter: tf.Variable | None = None
+        self._counter: Any = None  # an int64 variable (graph.counter)
         self._counted = 0
         self._unattributed = 0
         self._unmeasured: tuple | None = None  # (heal's index, layer)
@@ -258,11 +257,7 @@ class OverflowHealer(keras.callbacks.Callback):
         return opt
 
     def on_train_begin(self, logs=None):
-        import tensorflow as tf
-
-        if tf.distribute.has_strategy() or (
-            self.model.distribute_strategy is not tf.distribute.get_strategy()
-        ):
+        if distribute.under_strategy(self.model):
             raise ValueError(
                 "OverflowHealer does not run under a tf.distribute strategy yet: "
                 "its probe records one replica's forward pass. Train without the "
@@ -285,7 +280,7 @@ class OverflowHealer(keras.callbacks.Callback):
             # on_train_end, and takes back a move whose step cannot trace.
             attach_lib.attach(self.model)
         if self._counter is None:
-            self._counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._counter = graph.counter()
         self._counted = int(self._counter.numpy())
         forward_watch.watch(opt, keeps_scale=not self.gave_up, counter=self._counter)
         self._state = WATCHING

@@ -24,8 +24,6 @@ Input data are not counted: where they live depends on the input pipeline.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,15 +32,13 @@ import numpy as np
 
 from kmp._base import backends
 from kmp._base import warn as _warn
+from kmp.backend import graph
+from kmp.backend import live_tensors
 from kmp.internals import keras_private
 
 MIB = 2**20
-# The two batch sizes the step is measured at, and the passes at each.
+# The two batch sizes the step is measured at.
 PROBE_BATCHES = (4, 16)
-PASSES = 3
-# The tensor sizes tried to find the smallest that the memory count sees:
-# powers of two from 256 bytes (the GPU allocator's smallest block) to 16 MiB.
-_PROBE_SIZES = tuple(2**k for k in range(8, 25))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +102,6 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
     cannot be built there (a class of one's own that reads its variables'
     values as it builds) is built on the variables themselves, with a
     warning."""
-    import tensorflow as tf
-
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, str):
@@ -125,7 +119,7 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
 
     try:
         config = optimizer.get_config()  # eagerly: it reads variables' values
-        with tf.Graph().as_default(), keras_private.name_scopes_restored():
+        with graph.detached(), keras_private.name_scopes_restored():
             counted = copy(config)
             counted.build(_stand_ins(model.trainable_variables))
             return _bytes(counted.variables), name
@@ -159,110 +153,6 @@ def _stand_ins(variables) -> list:
                 setattr(stand_in, attribute, getattr(variable, attribute))
         stand_ins.append(stand_in)
     return stand_ins
-
-
-def _device() -> str:
-    """The device a step runs on, whose memory is measured."""
-    import tensorflow as tf
-
-    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-
-
-def _held(grads) -> list:
-    """The tensors that gradients, as a step returns them, hold: a dense
-    gradient itself, the values and indices of a `tf.IndexedSlices` (an
-    embedding's); nothing for None."""
-    import tensorflow as tf
-
-    held = []
-    for grad in grads:
-        if isinstance(grad, tf.IndexedSlices):
-            held += [grad.values, grad.indices]
-        elif grad is not None:
-            held.append(grad)
-    return held
-
-
-@functools.cache
-def _smallest_counted(device: str) -> int:
-    """The smallest tensor, in bytes, that TensorFlow's memory count on
-    `device` sees, of `_PROBE_SIZES`: 0 where the smallest is seen (a GPU),
-    256 KiB on a CPU (oneDNN's allocator sends smaller requests to a pool it
-    does not count), the largest tried where none is seen. Measured once
-    per device: the allocator's threshold does not change."""
-    import tensorflow as tf
-
-    for size in _PROBE_SIZES:
-        before = tf.config.experimental.get_memory_info(device)["current"]
-        with tf.device(device):
-            probe = tf.fill((size // 4,), 1.0)
-        seen = tf.config.experimental.get_memory_info(device)["current"] > before
-        del probe
-        if seen:
-            return 0 if size == _PROBE_SIZES[0] else size
-    return _PROBE_SIZES[-1]
-
-
-def _step_peak(model: keras.Model, batch: Any) -> int:
-    """The peak of live tensors above those live before, over a forward
-    and backward pass on `batch`: at least the gradients it returns, which
-    are live together at its end (a CPU's count misses tensors under 256
-    KiB). The median of `PASSES` passes: the order in which the runtime
-    runs independent ops moves one pass's peak. Each pass is a function
-    traced anew: a kernel keeps buffers from its first run, which its later
-    runs reuse unseen."""
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    def forward_backward(x):
-        with tf.GradientTape() as tape:
-            outputs = model(x, training=True)
-            # Any scalar of the outputs: the backward pass holds the same.
-            loss = tf.add_n(
-                [
-                    tf.reduce_sum(tf.cast(o, tf.float32))
-                    for o in tf.nest.flatten(outputs)
-                ]
-            )
-        return tape.gradient(loss, variables)
-
-    device = _device()
-    peaks = []
-    for _ in range(PASSES):
-        step = tf.function(forward_backward)
-        step.get_concrete_function(batch)  # traced before the measurement
-        try:
-            tf.config.experimental.reset_memory_stats(device)
-        except ValueError as e:
-            if "Cannot reset memory stats" not in str(e):
-                raise
-            raise NoMemoryCount(_no_count_message(device, str(e))) from e
-        before = tf.config.experimental.get_memory_info(device)["current"]
-        grads = step(batch)
-        peak = tf.config.experimental.get_memory_info(device)["peak"]
-        peaks.append(max(peak - before, _bytes(_held(grads))))
-        del grads, step
-    return sorted(peaks)[len(peaks) // 2]
-
-
-class NoMemoryCount(RuntimeError):
-    """TensorFlow keeps no count of live tensors on the device measured."""
-
-
-def _no_count_message(device: str, error: str) -> str:
-    """What is wrong, what TensorFlow said, and the fix where one is known."""
-    message = (
-        f"kmp.debug.estimate_memory measures a training step with TensorFlow's "
-        f"count of live tensors on {device}, and this process keeps none. "
-        f"TensorFlow said: {error}."
-    )
-    if device.startswith("CPU") and os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
-        message += (
-            " On a CPU, TensorFlow counts with its oneDNN allocator, turned off "
-            "here. Received: TF_ENABLE_ONEDNN_OPTS=0. Unset it or set it to 1."
-        )
-    return message
 
 
 def estimate_memory(
@@ -311,7 +201,9 @@ def estimate_memory(
     )
     state = [(v, v.numpy()) for v in model.non_trainable_variables]
     try:
-        small, large = (_step_peak(model, make_inputs(n)) for n in PROBE_BATCHES)
+        small, large = (
+            live_tensors.step_peak(model, make_inputs(n)) for n in PROBE_BATCHES
+        )
     finally:
         for variable, value in state:
             variable.assign(value)
@@ -324,5 +216,5 @@ def estimate_memory(
         gradients_mb=_bytes(model.trainable_variables) / MIB,
         step_mb=max(0.0, small - per_sample * PROBE_BATCHES[0]) / MIB,
         per_sample_mb=per_sample / MIB,
-        uncounted_below_mb=_smallest_counted(_device()) / MIB,
+        uncounted_below_mb=live_tensors.smallest_counted() / MIB,
     )

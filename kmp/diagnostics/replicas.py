@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from kmp._base import backends
+from kmp.backend import distribute
 from kmp.scaling import loss_scale as ls
 
 
@@ -42,8 +41,6 @@ def verify_replicas(optimizer: Any) -> int:
         "finite check reads the whole sharded gradients: there are no "
         "replicas to compare.",
     )
-    import tensorflow as tf
-
     if not isinstance(getattr(optimizer, "_scale", None), ls.LossScale):
         raise TypeError(
             "verify_replicas() expects a kmp.LossScaleOptimizer. Received: "
@@ -53,17 +50,7 @@ def verify_replicas(optimizer: Any) -> int:
     copies = 1
     differing = []
     for field, name in ls.PUBLIC_NAMES.items():
-        variable = getattr(state, field)
-        value = variable.value if isinstance(variable, keras.Variable) else variable
-        # A distributed variable's value names its strategy (public property of
-        # tf.distribute's values); a plain one is in the default strategy.
-        strategy = getattr(value, "distribute_strategy", None) or (
-            tf.distribute.get_strategy()
-        )
-        local = [
-            keras.ops.convert_to_numpy(v).item()
-            for v in strategy.experimental_local_results(value)
-        ]
+        local = distribute.local_values(getattr(state, field))
         copies = max(copies, len(local))
         if len(set(local)) > 1:
             differing.append(f"{name}: {local}")

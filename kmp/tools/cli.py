@@ -191,6 +191,7 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
     import keras
 
     import kmp
+    from kmp.backend import live_tensors
     from kmp.backend import machine
     from kmp.diagnostics import memory
     from kmp.precision import policy as policy_lib
@@ -226,7 +227,7 @@ def _memory_estimates(args: argparse.Namespace) -> dict:
                 estimate = memory.estimate_memory(
                     model, lambda n, make=make: make(n)[0], optimizer
                 )
-            except memory.NoMemoryCount as e:
+            except live_tensors.NoMemoryCount as e:
                 # The same for every policy: said once; the other checks run.
                 if not args.json:
                     print(f"memory estimate: not measured. {e}")
