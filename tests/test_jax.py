@@ -360,6 +360,8 @@ def test_a_gan_s_two_optimizers_each_scale_and_skip_their_own_step():
 
 
 def test_a_gan_s_loss_scaled_by_no_optimizer_is_refused_by_its_own():
+    # The step differs from the one above only in the generator's loss,
+    # left unscaled: the generator's optimizer refuses it.
     kmp.set_policy("mixed_float16")
     gan = Gan()
     state = tuple([v.value for v in vs] for vs in gan.variables())
@@ -967,8 +969,34 @@ def test_a_subclassed_models_output_layer_is_read_from_the_jaxpr():
     assert model.head.compute_dtype == "float32"
     assert model.hidden.compute_dtype == "float16"
     kmp.compile(model, keras.optimizers.SGD(0.01))
-    history = model.fit(*data(32), batch_size=8, epochs=2, verbose=0).history
-    assert np.isfinite(history["loss"]).all()
+    x, y = data(32)
+    y = np.concatenate([y, -y], axis=1)  # the head's two outputs
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+
+
+def test_an_output_its_call_joins_with_a_16_bit_tensor_keeps_its_dtype():
+    # As on TensorFlow: in float32, the head's output would meet the 16-bit
+    # hidden tensor in the call's own code (raw jax.lax refuses that;
+    # jax.numpy would silently compute it in float32).
+    class Mixes(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(3)
+            self.head = keras.layers.Dense(3, activation="softmax")
+
+        def call(self, x):
+            h = self.hidden(x)
+            p = self.head(h)
+            return p, jax.lax.sub(p, h)
+
+    kmp.set_policy("mixed_bfloat16")
+    model = Mixes()
+    model(np.ones((2, 4), "float32"))
+    kmp.prepare(model)
+    assert model.head.compute_dtype == "bfloat16"
+    note = planning.plan(model).decision(model.head.name).note
+    assert "would meet a 16-bit tensor in sub in Mixes" in note
 
 
 def test_token_ids_a_layer_hands_only_to_its_embedding_are_read_from_the_jaxpr():
@@ -980,19 +1008,23 @@ def test_token_ids_a_layer_hands_only_to_its_embedding_are_read_from_the_jaxpr()
         def call(self, x):
             return self.embed(x) * 2.0
 
+    class AddsATable(Passes):
+        def call(self, x):  # a constant, as a position table: not an input
+            return self.embed(x) + np.ones((3, 4), "float32")
+
     class UsesThem(Passes):
         def call(self, x):
             return self.embed(x) + keras.ops.expand_dims(x, -1)
 
     kmp.set_policy("mixed_bfloat16")
     ids = keras.Input((3,))  # float32 token ids, as in keras-io's examples
-    passes, uses = Passes(), UsesThem()
-    model = keras.Model(
-        ids, keras.layers.Dense(2)(keras.layers.Add()([passes(ids), uses(ids)]))
-    )
+    passes, table, uses = Passes(), AddsATable(), UsesThem()
+    added = keras.layers.Add()([passes(ids), table(ids), uses(ids)])
+    model = keras.Model(ids, keras.layers.Dense(2)(added))
     kmp.prepare(model)
     plan = planning.plan(model)
     assert plan.decision(passes.name).rule == planning.TOKEN_IDS
+    assert plan.decision(table.name).rule == planning.TOKEN_IDS
     x = np.array([[19999.0, 19998.0, 3.0]], "float32")
     rows = np.asarray(passes(x), "float32")
     assert not np.allclose(rows[0, 0], rows[0, 1])  # 19999 was not rounded

@@ -16,15 +16,8 @@ from typing import Any
 
 import keras
 
+from kmp.backend import graph as graph_lib
 from kmp.internals import keras_private
-
-
-def persistent_tape() -> Any:
-    """A persistent `tf.GradientTape`: several gradients of one loss
-    (`kmp.debug.find_nonfinite`'s backward search)."""
-    import tensorflow as tf
-
-    return tf.GradientTape(persistent=True)
 
 
 def step_graphs() -> list:
@@ -199,7 +192,7 @@ def misread_cases() -> tuple[str, ...]:
 
     read: dict[str, Any] = {}
     try:
-        with tf.Graph().as_default():
+        with graph_lib.detached():
             w = tf.Variable(3.0)
             scale = keras.Variable(1024.0)  # as the optimizer's is
 

@@ -42,15 +42,24 @@ def building() -> bool:
 
 def detached() -> Any:
     """A scope in which new variables are nodes of a graph of its own: they
-    have shapes, dtypes and names, and hold no memory."""
+    have shapes, dtypes and names, and hold no memory. TensorFlow only."""
     import tensorflow as tf
 
     return tf.Graph().as_default()
 
 
+def persistent_tape() -> Any:
+    """A persistent `tf.GradientTape`: several gradients of one loss
+    (`kmp.debug.find_nonfinite`'s backward search). TensorFlow only."""
+    import tensorflow as tf
+
+    return tf.GradientTape(persistent=True)
+
+
 def counter() -> Any:
     """A new int64 variable at 0, outside any model, that a traced step
-    may add to (`assign_add`) and Python reads (`numpy()`)."""
+    may add to (`assign_add`) and Python reads (`numpy()`). TensorFlow
+    only."""
     import tensorflow as tf
 
     return tf.Variable(0, dtype=tf.int64, trainable=False)

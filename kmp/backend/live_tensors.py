@@ -18,7 +18,8 @@ PASSES = 3
 _PROBE_SIZES = tuple(2**k for k in range(8, 25))
 
 
-def _bytes(tensors) -> int:
+def nbytes(tensors) -> int:
+    """The bytes of `tensors` (or variables), from their shapes and dtypes."""
     return sum(
         int(np.prod(t.shape))
         * np.dtype(keras.backend.standardize_dtype(t.dtype)).itemsize
@@ -51,10 +52,11 @@ def _held(grads) -> list:
 @functools.cache
 def smallest_counted() -> int:
     """The smallest tensor, in bytes, that TensorFlow's memory count on
-    the step's device sees, of `_PROBE_SIZES`: 0 where the smallest is seen (a GPU),
-    256 KiB on a CPU (oneDNN's allocator sends smaller requests to a pool it
-    does not count), the largest tried where none is seen. Measured once
-    per device: the allocator's threshold does not change."""
+    the step's device (`device()`) sees, of `_PROBE_SIZES`: 0 where the
+    smallest is seen (a GPU), 256 KiB on a CPU (oneDNN's allocator sends
+    smaller requests to a pool it does not count), the largest tried where
+    none is seen. Measured once per process: the device and its allocator's
+    threshold do not change."""
     import tensorflow as tf
 
     where = device()
@@ -107,7 +109,7 @@ def step_peak(model: keras.Model, batch: Any) -> int:
         before = tf.config.experimental.get_memory_info(where)["current"]
         grads = step(batch)
         peak = tf.config.experimental.get_memory_info(where)["peak"]
-        peaks.append(max(peak - before, _bytes(_held(grads))))
+        peaks.append(max(peak - before, nbytes(_held(grads))))
         del grads, step
     return sorted(peaks)[len(peaks) // 2]
 

@@ -476,8 +476,8 @@ class Forward:
 
     Attributes:
         graph: The traced graph, or None. On JAX, a
-            `kmp.backend.jax.flow.Forward`, which answers the questions
-            below itself.
+            `kmp.backend.jax.flow.Flow`, which answers the questions below
+            itself.
         outputs: The model's float output tensors in it.
         chains: Per op name, the layers whose calls the op ran in,
             outermost first (`owners`), read once for every choice.
@@ -505,11 +505,13 @@ def forward(model: keras.layers.Layer) -> Forward:
         return Forward(error=_no_shapes(model))
     if keras.backend.backend() == "jax":
         from kmp.backend.jax import flow
+        from kmp.backend.jax import trace as jax_trace
 
         try:
-            return Forward(graph=flow.Forward(model, specs))
+            closed = jax_trace.jaxpr_of(model, specs)
         except Exception as e:  # any failure of user code: choices fall back
             return Forward(error=error_line(e))
+        return Forward(graph=flow.Flow(model, closed))
     concrete, error, _ = _concrete(model, specs)
     if error:
         return Forward(error=error)
@@ -544,10 +546,9 @@ def float32_output_mixes(
     read from `traced`: the op, as `'Sub in Net'`. None where it would meet
     none: it reaches only casts, Keras layers (which cast their inputs),
     Python numbers and the model's outputs. A 16-bit constant kmp cannot
-    tell from one made in a fixed dtype counts as a 16-bit tensor. None on
-    JAX, whose ops (`jax.numpy`'s, Keras's) promote mixed float dtypes."""
+    tell from one made in a fixed dtype counts as a 16-bit tensor."""
     if keras.backend.backend() == "jax":
-        return None
+        return traced.graph.float32_output_mixes(layer)
     ops = traced.graph.get_operations()
     chains = traced.chains
     inside = {name for name, chain in chains.items() if layer in chain}

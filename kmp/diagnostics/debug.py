@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from kmp._base import backends
-from kmp.backend import backward
+from kmp.backend import graph
 from kmp.diagnostics import compiled_by
 from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
@@ -374,7 +374,7 @@ def find_nonfinite(
         variable = telemetry.loss_scale_of(optimizer)
         if variable is not None:
             scale = float(keras.ops.convert_to_numpy(variable))
-        with backward.persistent_tape() as tape:
+        with graph.persistent_tape() as tape:
             values = probe(x, training=True)
             loss = model.compute_loss(
                 x=x, y=y, y_pred=values["__y_pred__"], training=True

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 
 from kmp._base import backends
 from kmp._base import warn as _warn
@@ -82,14 +81,6 @@ class MemoryEstimate:
         return int(room // self.per_sample_mb)
 
 
-def _bytes(variables) -> int:
-    return sum(
-        int(np.prod(v.shape))
-        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-        for v in variables
-    )
-
-
 def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
     """The bytes of the optimizer's variables for `model`'s trainable
     variables: a copy of `optimizer` (or of `model.optimizer`, or of Adam
@@ -122,7 +113,7 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
         with graph.detached(), keras_private.name_scopes_restored():
             counted = copy(config)
             counted.build(_stand_ins(model.trainable_variables))
-            return _bytes(counted.variables), name
+            return live_tensors.nbytes(counted.variables), name
     except Exception as e:  # a class whose build needs real variables
         _warn.warn(
             f"kmp counted the state of {name} on a copy built on the model's "
@@ -131,7 +122,7 @@ def _optimizer_bytes(model: keras.Model, optimizer: Any) -> tuple[int, str]:
         )
     counted = copy(optimizer.get_config())
     counted.build(model.trainable_variables)
-    return _bytes(counted.variables), name
+    return live_tensors.nbytes(counted.variables), name
 
 
 def _stand_ins(variables) -> list:
@@ -210,10 +201,10 @@ def estimate_memory(
     per_sample = max(0, large - small) / (PROBE_BATCHES[1] - PROBE_BATCHES[0])
     optimizer_bytes, optimizer_name = _optimizer_bytes(model, optimizer)
     return MemoryEstimate(
-        weights_mb=_bytes(model.variables) / MIB,
+        weights_mb=live_tensors.nbytes(model.variables) / MIB,
         optimizer_mb=optimizer_bytes / MIB,
         optimizer=optimizer_name,
-        gradients_mb=_bytes(model.trainable_variables) / MIB,
+        gradients_mb=live_tensors.nbytes(model.trainable_variables) / MIB,
         step_mb=max(0.0, small - per_sample * PROBE_BATCHES[0]) / MIB,
         per_sample_mb=per_sample / MIB,
         uncounted_below_mb=live_tensors.smallest_counted() / MIB,

@@ -398,7 +398,7 @@ def _checked_outputs(model, decisions, inherited_at, base, traced: _OneTrace):
                 continue
             why = (
                 f"in float32 it would meet a 16-bit tensor in {meets} (raw "
-                "TensorFlow ops do not mix dtypes)"
+                "TensorFlow and jax.lax ops do not mix dtypes)"
             )
         result[i] = _given_back(d, inherited_at[id(d.layer)], base, why)
     return result

@@ -1,6 +1,6 @@
 """Where a model's values flow on JAX: the planner's questions
 (`kmp.backend.tracing.forward` and what reads it), answered from one jaxpr
-of `model(x, training=False)`.
+of `model(x, training=False)` (`kmp.backend.jax.trace.jaxpr_of`).
 
 The jaxpr is flattened: a call of a jitted function (`pjit`, a custom
 derivative, `remat`) is replaced by its equations, so a value is followed
@@ -17,10 +17,9 @@ from typing import Any
 import keras
 
 from kmp.backend.jax import trace
+from kmp.internals import keras_private
+from kmp.precision import policy as policy_lib
 
-# Calls whose equations are inlined; equations that hand a value on
-# unchanged in dtype (reshapes, slices, copies, selections).
-_CALLS, _MOVES = trace._CALLS, trace._MOVES
 _CAST = "convert_element_type"
 
 
@@ -32,22 +31,26 @@ class _Op:
     outputs: list
 
 
-class Forward:
-    """One jaxpr of `model(x, training=False)`, flattened into equations
-    (`_Op`s) that take and make values, each value a key: `(call, var)`,
-    `call` telling apart the calls of one jitted function."""
+class Flow:
+    """A closed jaxpr of `model(x, training=False)` (`jaxpr_of`), flattened
+    into equations (`_Op`s, in order) that take and make values, each value
+    a key: `(call, var)`, `call` telling apart the calls of one jitted
+    function."""
 
-    def __init__(self, model: keras.layers.Layer, specs: Any):
-        closed = trace._jaxpr(model, specs)
-        self._chains = trace._Chains(model)
+    def __init__(self, model: keras.layers.Layer, closed: Any):
+        self._model = model
+        self._chains = trace.Chains(model)
         self._calls = 0
         self._dtypes: dict = {}
         self.ops: list[_Op] = []
         top = self._inline(closed.jaxpr, "", {}, 0)
+        # The model's inputs: the jaxpr's inputs after the variables' values.
+        weights = len(model.trainable_variables) + len(model.non_trainable_variables)
+        self._inputs = {top[v] for v in closed.jaxpr.invars[weights:]}
         self.outputs = {
             top[v]
             for v in closed.jaxpr.outvars
-            if not trace._is_literal(v) and trace._float(v)
+            if not trace.is_literal(v) and trace.float_dtype(v)
         }
         self._producer = {key: op for op in self.ops for key in op.outputs}
         self._consumers: dict = {}
@@ -63,26 +66,28 @@ class Forward:
         def key(var):
             if var not in keys:
                 keys[var] = (call, var)
-                self._dtypes[keys[var]] = trace._float(var)
+                self._dtypes[keys[var]] = trace.float_dtype(var)
             return keys[var]
 
         for var in jaxpr.invars:
             key(var)
         for eqn in jaxpr.eqns:
-            name = trace._join(prefix, eqn)
-            inputs = [key(v) for v in eqn.invars if not trace._is_literal(v)]
-            inner = trace._subjaxprs(eqn) if eqn.primitive.name in _CALLS else []
+            name = trace.name_of(prefix, eqn)
+            inputs = [key(v) for v in eqn.invars if not trace.is_literal(v)]
+            inner = trace.subjaxprs(eqn) if eqn.primitive.name in trace.CALLS else []
             if len(inner) == 1:
                 sub, operands = inner[0]
                 self._calls += 1
                 given = {
                     i: key(o)
                     for i, o in zip(sub.invars, operands, strict=False)
-                    if not trace._is_literal(o)
+                    if not trace.is_literal(o)
                 }
                 made = self._inline(sub, name, given, self._calls)
                 for outer, var in zip(eqn.outvars, sub.outvars, strict=True):
-                    if not trace._is_literal(var):
+                    if trace.is_literal(var):
+                        key(outer)  # a constant: made by nothing here
+                    else:
                         keys[outer] = made[var]
                 continue
             self.ops.append(
@@ -116,7 +121,7 @@ class Forward:
             seen.add(id(op))
             if op.chain:
                 found.add(id(op.chain[0]))
-            elif op.kind in _MOVES:
+            elif op.kind in trace.MOVES:
                 stack.extend(
                     self._producer[k]
                     for k in op.inputs
@@ -145,7 +150,7 @@ class Forward:
             for c in self._taking(k):
                 if id(c) not in outer:
                     return True
-                if id(c) not in seen and c.kind in _MOVES:
+                if id(c) not in seen and c.kind in trace.MOVES:
                     seen.add(id(c))
                     stack.extend(x for x in c.outputs if self._float(x))
         return False
@@ -159,13 +164,15 @@ class Forward:
             return False
         ids = {id(op) for op in inside}
         depth = [id(x) for x in inside[0].chain].index(id(layer)) + 1
+
+        def given(key) -> bool:
+            """A value made outside the layer, or the model's input (not a
+            weight's value or a constant)."""
+            made_by = self._producer.get(key)
+            return key in self._inputs if made_by is None else id(made_by) not in ids
+
         stack = [
-            op
-            for op in inside
-            if any(
-                self._float(k) and id(self._producer.get(k)) not in ids
-                for k in op.inputs
-            )
+            op for op in inside if any(self._float(k) and given(k) for k in op.inputs)
         ]
         seen: set[int] = set()
         while stack:
@@ -175,9 +182,60 @@ class Forward:
             seen.add(id(op))
             if len(op.chain) > depth or op.kind == _CAST:
                 continue  # a sublayer's code, or a cast: the dtype stops here
-            if op.kind not in _MOVES:
+            if op.kind not in trace.MOVES:
                 return False  # its own math on what it was given
             stack.extend(
                 c for k in op.outputs if self._float(k) for c in self._taking(k)
             )
         return True
+
+    def float32_output_mixes(self, layer: keras.layers.Layer) -> str | None:
+        """Where `layer`'s output, were it in another dtype, would meet a
+        16-bit tensor in code outside it (see `tracing.float32_output_mixes`):
+        the equation, as `'add in Net'`. None where it reaches only casts,
+        Keras layers (which cast their inputs), Python numbers and the
+        model's outputs."""
+        inside = {id(op) for op in self.ops if any(x is layer for x in op.chain)}
+        own = [op for op in self.ops if id(op) in inside]
+        if not own:
+            return None
+        chain = own[0].chain
+        enclosing = chain[: [id(x) for x in chain].index(id(layer))]
+
+        def absorbs(op: _Op) -> bool:
+            """A cast makes its own dtype; a Keras layer casts its inputs."""
+            if op.kind == _CAST:
+                return True
+            shared = 0
+            while (
+                shared < min(len(op.chain), len(enclosing))
+                and op.chain[shared] is enclosing[shared]
+            ):
+                shared += 1
+            return shared < len(op.chain) and keras_private.converts_input_args(
+                op.chain[shared]
+            )
+
+        # First everything the output reaches (the equations come in
+        # order), then what else each equation that takes it meets.
+        reached = {
+            k
+            for op in own
+            for k in op.outputs
+            if self._float(k) and any(id(c) not in inside for c in self._taking(k))
+        }
+        takers = []
+        for op in self.ops:
+            if id(op) in inside or not any(k in reached for k in op.inputs):
+                continue
+            if absorbs(op):
+                continue
+            takers.append(op)
+            reached.update(k for k in op.outputs if self._float(k))
+        for op in takers:
+            for k in op.inputs:
+                if k in reached or self._dtypes.get(k) not in policy_lib.SIXTEEN_BIT:
+                    continue
+                owner = op.chain[-1] if op.chain else self._model
+                return f"{op.kind} in {type(owner).__name__}"
+        return None

@@ -27,8 +27,8 @@ from kmp.precision import policy as policy_lib
 from kmp.precision import traversal
 
 # Primitives that hand a value on unchanged in dtype: reshapes, slices,
-# copies and selections.
-_MOVES = frozenset(
+# copies, selections, and writes of one value into another.
+MOVES = frozenset(
     [
         "reshape",
         "broadcast_in_dim",
@@ -37,12 +37,13 @@ _MOVES = frozenset(
         "expand_dims",
         "slice",
         "dynamic_slice",
+        "dynamic_update_slice",
         "gather",
+        "scatter",
         "concatenate",
         "pad",
         "select_n",
         "copy",
-        "copy_p",
         "rev",
         "split",
         "stop_gradient",
@@ -51,7 +52,7 @@ _MOVES = frozenset(
     ]
 )
 # Calls of a jitted function, a custom derivative or a rematerialized one.
-_CALLS = frozenset(
+CALLS = frozenset(
     [
         "pjit",
         "jit",
@@ -68,13 +69,11 @@ _CALLS = frozenset(
 # Primitives that move, reshape or select data, or compute on indices and
 # masks: everything else with a float output is math.
 _DATA = (
-    _MOVES
-    | _CALLS
+    MOVES
+    | CALLS
     | frozenset(
         [
             "convert_element_type",
-            "dynamic_update_slice",
-            "scatter",
             "iota",
             "cond",
             "while",
@@ -123,12 +122,12 @@ def layer_ops(
     Raises:
         Whatever the model's code raises while it is traced.
     """
-    closed = _jaxpr(model, specs)
+    closed = jaxpr_of(model, specs)
     weights = len(model.trainable_variables) + len(model.non_trainable_variables)
     return _read(model, closed.jaxpr, set(closed.jaxpr.invars[:weights]))
 
 
-def _jaxpr(model: keras.layers.Layer, specs: Any) -> Any:
+def jaxpr_of(model: keras.layers.Layer, specs: Any) -> Any:
     """The closed jaxpr of `model(x, training=False)` for `specs`, made from
     abstract values: its first inputs are the trainable, then the
     non-trainable variables' values; nothing runs."""
@@ -164,7 +163,7 @@ def _read(
     """`layer_ops` of a model's jaxpr, whose inputs `weights` are the
     variables' values."""
     paths = {id(site.layer): site.path for site in traversal.walk(model)}
-    chains = _Chains(model)
+    chains = Chains(model)
     own: dict[str, list] = {}  # path -> its own equations (any depth)
     inside: dict[str, list] = {}  # path -> its and its sublayers' equations
     # (id(the equation that ends a softmax), the path of the layer that ran it):
@@ -177,12 +176,12 @@ def _read(
         consumers: dict[Any, list] = {}
         for eqn in jaxpr.eqns:
             for var in eqn.invars:
-                if not _is_literal(var):
+                if not is_literal(var):
                     consumers.setdefault(var, []).append(eqn)
         # The model's outputs; a nested jaxpr's outputs go back to its caller.
-        outvars = {v for v in jaxpr.outvars if not _is_literal(v)} if top else set()
+        outvars = {v for v in jaxpr.outvars if not is_literal(v)} if top else set()
         weights = _computed_from(weights, jaxpr)
-        names = {id(eqn): _join(prefix, eqn) for eqn in jaxpr.eqns}
+        names = {id(eqn): name_of(prefix, eqn) for eqn in jaxpr.eqns}
         layer_paths = {
             id(eqn): [paths[id(layer)] for layer in chains.of(names[id(eqn)])]
             for eqn in jaxpr.eqns
@@ -197,24 +196,24 @@ def _read(
                 if id(eqn) in softmaxes:
                     softmax_ends.add((id(softmaxes[id(eqn)]), chain[-1]))
                 if _scores(eqn, weights, consumers, softmaxes):
-                    dtype = _float(eqn.outvars[0])
+                    dtype = float_dtype(eqn.outvars[0])
                     if dtype:
                         scores.setdefault(chain[-1], []).append(dtype)
             # What a layer hands out: its outputs that an equation outside it,
             # or the jaxpr's own outputs, take.
             for var in eqn.outvars:
-                dtype = _float(var)
+                dtype = float_dtype(var)
                 if not dtype:
                     continue
                 outside = [layer_paths[id(c)] for c in consumers.get(var, [])]
                 for path in chain:
                     if var in outvars or any(path not in c for c in outside):
                         returns.setdefault(path, set()).add(dtype)
-            for sub, operands in _subjaxprs(eqn):
+            for sub, operands in subjaxprs(eqn):
                 inner = {
                     i
                     for i, o in zip(sub.invars, operands, strict=False)
-                    if not _is_literal(o) and o in weights
+                    if not is_literal(o) and o in weights
                 }
                 visit(sub, names[id(eqn)], inner, top=False)
 
@@ -236,7 +235,7 @@ def _read(
                         e.primitive.name
                         for e in inside[path]
                         if e.primitive.name not in _DATA
-                        and any(_float(v) == "float32" for v in e.outvars)
+                        and any(float_dtype(v) == "float32" for v in e.outvars)
                     }
                 )
             )
@@ -245,20 +244,20 @@ def _read(
             softmax=tuple(
                 sorted(
                     {
-                        _float(e.outvars[0])
+                        float_dtype(e.outvars[0])
                         for e in mine
-                        if (id(e), path) in softmax_ends and _float(e.outvars[0])
+                        if (id(e), path) in softmax_ends and float_dtype(e.outvars[0])
                     }
                 )
             ),
             scores=tuple(sorted(set(scores.get(path, ())))),
             matmuls=sum(e.primitive.name in _MATMUL for e in mine),
         )
-    outputs = tuple(d for var in jaxpr.outvars if (d := _float(var)))
+    outputs = tuple(d for var in jaxpr.outvars if (d := float_dtype(var)))
     return result, outputs
 
 
-class _Chains:
+class Chains:
     """The layers a name stack (`block/attention/query/...`) names, outermost
     first, read from the model's children by name."""
 
@@ -285,12 +284,12 @@ class _Chains:
         return [layer for layer in chain if id(layer) in self.layers]
 
 
-def _join(prefix: str, eqn: Any) -> str:
+def name_of(prefix: str, eqn: Any) -> str:
     own = str(eqn.source_info.name_stack)
     return f"{prefix}/{own}" if prefix and own else prefix or own
 
 
-def _subjaxprs(eqn: Any) -> list[tuple[Any, list]]:
+def subjaxprs(eqn: Any) -> list[tuple[Any, list]]:
     """The jaxprs nested in `eqn`, each with the operands of `eqn` that its
     inputs take (a condition's index and a loop's other constants left
     out)."""
@@ -317,14 +316,14 @@ def _subjaxprs(eqn: Any) -> list[tuple[Any, list]]:
     return found
 
 
-def _is_literal(var: Any) -> bool:
+def is_literal(var: Any) -> bool:
     """Whether an equation's input is a constant written into it."""
     from jax.extend import core
 
     return isinstance(var, core.Literal)
 
 
-def _float(var: Any) -> str:
+def float_dtype(var: Any) -> str:
     dtype = getattr(getattr(var, "aval", None), "dtype", None)
     if dtype is None:
         return ""
@@ -333,7 +332,7 @@ def _float(var: Any) -> str:
 
 
 def _dtypes(eqns: list) -> tuple[str, ...]:
-    return tuple(sorted({d for e in eqns for v in e.outvars if (d := _float(v))}))
+    return tuple(sorted({d for e in eqns for v in e.outvars if (d := float_dtype(v))}))
 
 
 def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
@@ -349,7 +348,7 @@ def _softmaxes(jaxpr: Any, consumers: dict) -> dict[int, Any]:
         totals = {v for s in sums for v in _following(s.outvars[0], consumers)}
         for div in _forward(exp_out, consumers, {"div"}):
             divisor = div.invars[1] if len(div.invars) == 2 else None
-            if divisor is not None and not _is_literal(divisor) and divisor in totals:
+            if divisor is not None and not is_literal(divisor) and divisor in totals:
                 found[id(eqn)] = div
                 break
         else:
@@ -397,7 +396,7 @@ def _computed_from(weights: set, jaxpr: Any) -> set:
     learned query too (attention pooling's: its scores are not read)."""
     found = set(weights)
     for eqn in jaxpr.eqns:  # in order: each equation's inputs come first
-        inputs = [v for v in eqn.invars if not _is_literal(v)]
+        inputs = [v for v in eqn.invars if not is_literal(v)]
         if inputs and all(v in found for v in inputs):
             found.update(eqn.outvars)
     return found
@@ -409,7 +408,7 @@ def _scores(eqn: Any, weights: set, consumers: dict, softmaxes: dict) -> bool:
     with its kernel is not one) whose result flows into a softmax."""
     return (
         eqn.primitive.name in _MATMUL
-        and not any(not _is_literal(v) and v in weights for v in eqn.invars)
+        and not any(not is_literal(v) and v in weights for v in eqn.invars)
         and _reaches(eqn, consumers, softmaxes)
     )
 
