@@ -1066,3 +1066,29 @@ def test_attention_scores_that_leave_the_layer_are_read_from_the_jaxpr(
         )
     assert block.att.query_dense.compute_dtype == "float32"
     assert np.isfinite(model.predict(np.ones((2, 5, 8)), verbose=0)).all()
+
+
+def test_float16_sums_xla_cannot_run_on_a_cpu_are_named_with_the_fix():
+    # KerasHub's Llama attention: jax.numpy's einsum sums float16 products
+    # in float32, which XLA's CPU code refuses (plain Keras fails there too).
+    keras_hub = pytest.importorskip("keras_hub")
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("XLA runs these products on GPUs and TPUs")
+    kmp.set_policy("mixed_float16")
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=50,
+        num_layers=1,
+        num_query_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_key_value_heads=1,
+    )
+    logits = keras.layers.Dense(50)(backbone.output)  # no KerasHub pipeline
+    model = keras.Model(backbone.input, logits)
+    kmp.compile(
+        model, "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    tokens = np.ones((2, 6), "int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((2, 6), bool)}
+    with pytest.raises(ValueError, match=r"(?s)XLA's CPU.*'mixed_bfloat16'"):
+        model.fit(x, tokens, batch_size=2, verbose=0)

@@ -64,6 +64,7 @@ from kmp._base import warn as _warn
 from kmp.backend import data
 from kmp.backend import fused
 from kmp.backend import tracing
+from kmp.backend.jax import devices as jax_devices
 from kmp.backend.jax import state as jax_state
 from kmp.planning import apply as plan_apply
 from kmp.scaling import applies
@@ -245,6 +246,18 @@ class TrainFunction:
         built = plan_apply.all_built(model)
         try:
             return self._inner(*args)
+        except ValueError as e:
+            if not jax_devices.refuses_float16_sums(e):
+                raise
+            raise ValueError(
+                f"The training step of {model.name!r} multiplies float16 "
+                "tensors and sums the products in float32, which XLA's CPU "
+                "code does not run (plain Keras fails the same way). Float16 "
+                "training on JAX needs a GPU. Received: policy "
+                f"{model.dtype_policy.name!r} on JAX's CPU. Train in "
+                "'mixed_bfloat16' or 'float32' there (kmp.set_policy('auto') "
+                f"picks float32). XLA said: {tracing.error_line(e)}"
+            ) from e
         except tracing.dtype_errors() as e:
             if not tracing.mixes_dtypes(e):
                 raise

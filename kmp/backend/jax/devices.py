@@ -45,3 +45,14 @@ def version() -> str:
     import jax
 
     return jax.__version__
+
+
+# What XLA's CPU code says of a float16 product summed in float32, which
+# jax.numpy's einsum asks for (Keras's and KerasHub's attention use it).
+_FLOAT16_SUMS = "'F16_F16_F32' is not supported by dot_general on CPU"
+
+
+def refuses_float16_sums(error: BaseException) -> bool:
+    """Whether `error` is XLA's CPU code refusing a float16 product summed
+    in float32."""
+    return isinstance(error, ValueError) and _FLOAT16_SUMS in str(error)
