@@ -1092,3 +1092,33 @@ def test_float16_sums_xla_cannot_run_on_a_cpu_are_named_with_the_fix():
     x = {"token_ids": tokens, "padding_mask": np.ones((2, 6), bool)}
     with pytest.raises(ValueError, match=r"(?s)XLA's CPU.*'mixed_bfloat16'"):
         model.fit(x, tokens, batch_size=2, verbose=0)
+
+
+class Noisy(keras.Model):
+    """A subclassed model whose call draws noise (a SeedGenerator, whose
+    state is a random key) and has a loss of its own, as a VAE's."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8)
+        self.head = keras.layers.Dense(1)
+        self.seed = keras.random.SeedGenerator(0)
+
+    def call(self, x):
+        h = self.hidden(x)
+        noise = keras.random.normal(keras.ops.shape(h), seed=self.seed)
+        return self.head(h + keras.ops.cast(noise, h.dtype))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kw):
+        return keras.ops.mean(keras.ops.square(y_pred - y))
+
+
+def test_a_call_that_draws_from_a_seed_generator_is_read_from_the_jaxpr():
+    kmp.set_policy("mixed_float16")
+    model = Noisy()
+    model(np.ones((2, 8), "float32"))
+    kmp.compile(model, keras.optimizers.SGD(0.01))
+    assert model.head.compute_dtype == "float32"  # its output reaches the loss
+    assert kmp.precision_report(model).not_traced == ""
+    history = model.fit(*data(32), batch_size=8, verbose=0).history
+    assert np.isfinite(history["loss"]).all()

@@ -324,10 +324,9 @@ def is_literal(var: Any) -> bool:
 
 
 def float_dtype(var: Any) -> str:
-    dtype = getattr(getattr(var, "aval", None), "dtype", None)
-    if dtype is None:
-        return ""
-    name = keras.backend.standardize_dtype(dtype)
+    """The float dtype of a jaxpr value, by name; "" for any other (an
+    integer, a bool, a random key such as a `SeedGenerator`'s state)."""
+    name = getattr(getattr(getattr(var, "aval", None), "dtype", None), "name", "")
     return name if name in ("float16", "bfloat16", "float32", "float64") else ""
 
 
