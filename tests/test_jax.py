@@ -948,13 +948,14 @@ class Head(keras.Model):
     """A subclassed model with a loss of its own: its call's last layer
     hands its output to `compute_loss`, not to Keras's loss."""
 
-    def __init__(self):
+    def __init__(self, width=2):
         super().__init__()
+        self.width = width
         self.hidden = keras.layers.Dense(8)
-        self.head = keras.layers.Dense(2)
+        self.head = keras.layers.Dense(width)
 
     def call(self, x):
-        return keras.ops.reshape(self.head(self.hidden(x)), (-1, 2))
+        return keras.ops.reshape(self.head(self.hidden(x)), (-1, self.width))
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kw):
         return keras.ops.mean(keras.ops.square(y_pred - y))
@@ -1094,23 +1095,18 @@ def test_float16_sums_xla_cannot_run_on_a_cpu_are_named_with_the_fix():
         model.fit(x, tokens, batch_size=2, verbose=0)
 
 
-class Noisy(keras.Model):
-    """A subclassed model whose call draws noise (a SeedGenerator, whose
-    state is a random key) and has a loss of its own, as a VAE's."""
+class Noisy(Head):
+    """A `Head` whose call draws noise (a SeedGenerator, whose state is a
+    random key), as a VAE's sampling does."""
 
     def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(8)
-        self.head = keras.layers.Dense(1)
+        super().__init__(width=1)
         self.seed = keras.random.SeedGenerator(0)
 
     def call(self, x):
         h = self.hidden(x)
         noise = keras.random.normal(keras.ops.shape(h), seed=self.seed)
         return self.head(h + keras.ops.cast(noise, h.dtype))
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kw):
-        return keras.ops.mean(keras.ops.square(y_pred - y))
 
 
 def test_a_call_that_draws_from_a_seed_generator_is_read_from_the_jaxpr():

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 
 from kmp.backend import graph as graph_lib
+from kmp.backend import sparse
 from kmp.internals import keras_private
 
 
@@ -36,20 +37,6 @@ def step_graphs() -> list:
         graph = graph.outer_graph
         graphs.append(graph)
     return graphs
-
-
-def _tensors(grads) -> list:
-    import tensorflow as tf
-
-    out = []
-    for g in grads:
-        if g is None:
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            out.extend([g.values, g.indices])
-        else:
-            out.append(g)
-    return out
 
 
 def _handles(variable) -> set[int]:
@@ -112,7 +99,7 @@ def computed_without_the_scale(grads, scale_variable) -> bool:
 def _walk_without_the_scale(grads, scale_variable) -> bool:
     """`computed_without_the_scale`'s walk over the step's graphs."""
     graphs = step_graphs()
-    tensors = _tensors(grads)
+    tensors = sparse.tensors(grads)
     if not graphs or not tensors:
         return False
     in_step = {id(g) for g in graphs}

@@ -11,6 +11,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp.backend import sparse
+
 # The passes measured at each batch size.
 PASSES = 3
 # The tensor sizes tried to find the smallest that the memory count sees:
@@ -32,21 +34,6 @@ def device() -> str:
     import tensorflow as tf
 
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-
-
-def _held(grads) -> list:
-    """The tensors that gradients, as a step returns them, hold: a dense
-    gradient itself, the values and indices of a `tf.IndexedSlices` (an
-    embedding's); nothing for None."""
-    import tensorflow as tf
-
-    held = []
-    for grad in grads:
-        if isinstance(grad, tf.IndexedSlices):
-            held += [grad.values, grad.indices]
-        elif grad is not None:
-            held.append(grad)
-    return held
 
 
 @functools.cache
@@ -109,7 +96,7 @@ def step_peak(model: keras.Model, batch: Any) -> int:
         before = tf.config.experimental.get_memory_info(where)["current"]
         grads = step(batch)
         peak = tf.config.experimental.get_memory_info(where)["peak"]
-        peaks.append(max(peak - before, nbytes(_held(grads))))
+        peaks.append(max(peak - before, nbytes(sparse.tensors(grads))))
         del grads, step
     return sorted(peaks)[len(peaks) // 2]
 

@@ -15,6 +15,7 @@ import os
 
 import keras
 
+from kmp.backend import live_tensors
 from kmp.backend.jax import devices as jax_devices
 from kmp.precision.auto import AutoChoice
 from kmp.precision.auto import choose_policy
@@ -197,11 +198,11 @@ def tensors_peak_mb(gpu_only: bool = False) -> float | None:
         return jax_devices.peak_memory_mb()
     import tensorflow as tf
 
-    gpu = bool(tf.config.list_physical_devices("GPU"))
-    if gpu_only and not gpu:
+    where = live_tensors.device()
+    if gpu_only and where != "GPU:0":
         return None
     try:
-        info = tf.config.experimental.get_memory_info("GPU:0" if gpu else "CPU:0")
+        info = tf.config.experimental.get_memory_info(where)
     except (ValueError, RuntimeError):
         return None
     return info["peak"] / 2**20

@@ -19,6 +19,19 @@ def is_sparse(gradient: Any) -> bool:
     return isinstance(gradient, tf.IndexedSlices)
 
 
+def tensors(gradients: Any) -> list:
+    """The tensors that gradients, as a step returns them, hold: a dense
+    gradient itself, the rows and indices of an `IndexedSlices` (an
+    embedding's); nothing for None."""
+    held = []
+    for gradient in gradients:
+        if is_sparse(gradient):
+            held += [gradient.values, gradient.indices]
+        elif gradient is not None:
+            held.append(gradient)
+    return held
+
+
 def map_values(gradient: Any, fn: Callable[[Any], Any]) -> Any:
     """A sparse `gradient` with `fn` applied to its rows, its indices kept."""
     import tensorflow as tf
