@@ -14,6 +14,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+from kmp_cli import finetune_config
 from kmp_cli import quiet
 
 
@@ -188,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", default="kmp-demo.png", metavar="PATH.png", help="write a PNG"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a KerasHub causal LM from a local preset by a config",
+        description="Fine-tunes a KerasHub causal LM from a local preset "
+        "directory on a JSONL file, with LoRA or QLoRA under mixed precision, "
+        "as a YAML config says. Every key is also a flag that overrides the "
+        "file (its value read as YAML). The config is checked whole before "
+        "any model is loaded.",
+    )
+    finetune_config.add_arguments(p)
     return parser
 
 
@@ -200,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "finetune":
+        # Read before TensorFlow starts; its problems are listed with the
+        # command's own checks.
+        args.finetune = finetune_config.read(args)
     try:
         quiet.start_tensorflow()
         from kmp.tools import cli

@@ -521,11 +521,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from kmp.tools.finetune import run
+
+    return run.finetune(args.finetune, dry_run=args.dry_run)
+
+
 _COMMANDS = {
     "policies": _cmd_policies,
     "doctor": _cmd_doctor,
     "bench": _cmd_bench,
     "demo": _cmd_demo,
+    "finetune": _cmd_finetune,
 }
 
 

@@ -1,0 +1,103 @@
+"""The model `kmp finetune` trains: a KerasHub causal LM loaded from a
+local preset under the run's policy, its base quantized, LoRA added."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmp.precision import traversal
+
+# The layers `lora.targets: all-linear` puts adapters on.
+LINEAR = (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """A model's parameter counts and the bytes training holds for them."""
+
+    trainable: int
+    total: int
+    weights_bytes: int  # every weight, as stored (int4 weights packed)
+    gradients_bytes: int  # one gradient per trainable weight
+
+    @classmethod
+    def of(cls, model: keras.Model) -> Sizes:
+        return cls(
+            trainable=_count(model.trainable_weights),
+            total=_count(model.weights),
+            weights_bytes=_bytes(model.weights),
+            gradients_bytes=_bytes(model.trainable_weights),
+        )
+
+
+def _count(variables) -> int:
+    return sum(int(np.prod(v.shape)) for v in variables)
+
+
+def _bytes(variables) -> int:
+    return sum(
+        int(np.prod(v.shape))
+        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+        for v in variables
+    )
+
+
+def load(preset: str) -> Any:
+    """The causal LM of a preset directory, its layers under the global
+    policy (the preset's saved dtype would otherwise win)."""
+    import keras_hub
+
+    return keras_hub.models.CausalLM.from_preset(
+        preset, dtype=keras.config.dtype_policy()
+    )
+
+
+def quantize(lm: Any, mode: str) -> None:
+    """Quantizes the backbone's weights to `mode`. For int8, the tied token
+    embedding stays in float: Keras's int8 `ReversibleEmbedding` passes
+    gradients back about 5x too small."""
+    keep = (lambda layer: layer.name != "token_embedding") if mode == "int8" else None
+    with warnings.catch_warnings():  # "layer X does not have a quantize method"
+        warnings.simplefilter("ignore", UserWarning)
+        lm.backbone.quantize(mode, filters=keep)
+
+
+def lora_targets(lm: Any, targets: str | list[str]) -> list[str]:
+    """The names of the backbone's layers that `targets` puts LoRA on.
+
+    Raises:
+        ValueError: for a name no layer that takes LoRA has.
+    """
+    backbone = lm.backbone
+    if targets == "default":
+        return list(backbone.default_lora_layer_names())
+    takes = [
+        site.layer
+        for site in traversal.walk(backbone)
+        if hasattr(site.layer, "enable_lora") and site.layer.weights
+    ]
+    if targets == "all-linear":
+        return sorted({layer.name for layer in takes if isinstance(layer, LINEAR)})
+    names = sorted({layer.name for layer in takes})
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ValueError(
+            f"lora.targets: no layer of {type(backbone).__name__} that takes "
+            f"LoRA is named {', '.join(map(repr, unknown))}. Expected names "
+            f"from: {', '.join(names)}. Fix: use those names, or 'all-linear'."
+        )
+    return list(targets)
+
+
+def add_lora(lm: Any, rank: int, alpha: float, names: list[str]) -> None:
+    """Freezes the backbone and puts LoRA of `rank` on the layers `names`;
+    each adapter's output is scaled by `alpha / rank`."""
+    lm.backbone.enable_lora(rank, target_layer_names=names)
+    for site in traversal.walk(lm):
+        if getattr(site.layer, "lora_enabled", False):
+            site.layer.lora_alpha = alpha

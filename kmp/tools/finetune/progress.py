@@ -1,0 +1,168 @@
+"""What `kmp finetune` shows and records as it trains: a progress bar of
+updates with the loss, learning rate, loss scale, skipped steps, tokens per
+second and peak memory, and the same values kept for the run's metrics."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Any
+
+import keras
+
+from kmp.backend import machine
+
+
+@keras.saving.register_keras_serializable(package="kmp_finetune")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """The learning rate rises linearly to `peak` over `warmup` updates, then
+    stays (`constant`) or decays to 0 at `total` updates (`linear`,
+    `cosine`). Updates are counted from the optimizer's iterations, which
+    count every batch: with gradient accumulation, `accumulation` batches
+    make one update."""
+
+    def __init__(
+        self,
+        peak: float,
+        total: int,
+        warmup: int,
+        shape: str = "cosine",
+        accumulation: int = 1,
+    ):
+        self.peak = peak
+        self.total = total
+        self.warmup = warmup
+        self.shape = shape
+        self.accumulation = accumulation
+
+    def __call__(self, iterations):
+        ops = keras.ops
+        update = ops.cast(ops.floor_divide(iterations, self.accumulation), "float32")
+        rise = self.peak * (update + 1) / max(self.warmup, 1)
+        progress = ops.clip(
+            (update - self.warmup) / max(self.total - self.warmup, 1), 0.0, 1.0
+        )
+        if self.shape == "constant":
+            after = ops.convert_to_tensor(self.peak, "float32")
+        elif self.shape == "linear":
+            after = self.peak * (1.0 - progress)
+        else:
+            after = self.peak * 0.5 * (1.0 + ops.cos(math.pi * progress))
+        return ops.where(update < self.warmup, rise, after)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "peak": self.peak,
+            "total": self.total,
+            "warmup": self.warmup,
+            "shape": self.shape,
+            "accumulation": self.accumulation,
+        }
+
+
+def process_peak_gib() -> float:
+    """The process's peak resident memory so far, in GiB (Linux: KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Progress(keras.callbacks.Callback):
+    """A progress bar of updates, printed as a line every `logging_steps`
+    updates (so that it reads the same in a terminal and in a log file).
+
+    Each line shows the loss (Keras's running mean since the last
+    evaluation or epoch), the accuracy of the response tokens, the learning
+    rate, the loss scale (under float16) and the skipped steps, tokens per
+    second since the last line, and peak memory: the process's and the
+    tensors' (where the backend counts them). Each line's values are kept
+    in `records`, and added to the batch logs.
+
+    Args:
+        total: The updates the run makes.
+        logging_steps: Updates between lines.
+        accumulation: Batches per update.
+        tokens_per_batch: The tokens (padding left out) a batch holds.
+        schedule: The learning rate schedule (of the optimizer's
+            iterations), read here from the update count: on JAX, the
+            optimizer's own variables reach the host only at each epoch's end.
+        first_update: The update the run starts after (when resumed).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        logging_steps: int,
+        accumulation: int,
+        tokens_per_batch: float,
+        schedule: WarmupSchedule,
+        first_update: int = 0,
+    ):
+        super().__init__()
+        self.schedule = schedule
+        self.total = total
+        self.logging_steps = logging_steps
+        self.accumulation = accumulation
+        self.tokens_per_batch = tokens_per_batch
+        self.update = first_update
+        self.records: list[dict[str, float]] = []
+        self._batches = 0
+        self._since = self._began = time.perf_counter()
+        self._tokens = 0.0
+        self._first = first_update
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        # Tokens per second count training alone, not evaluations between.
+        self._since, self._tokens = time.perf_counter(), 0.0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        self._tokens += self.tokens_per_batch
+        if self._batches % self.accumulation:
+            return
+        self.update += 1
+        if self.update % self.logging_steps and self.update != self.total:
+            return
+        logs = logs if logs is not None else {}
+        now = time.perf_counter()
+        record = {"update": self.update}
+        for name in ("loss", "accuracy"):
+            if name in logs:
+                record[name] = float(logs[name])
+        lr = self.schedule((self.update - 1) * self.accumulation)
+        record["learning_rate"] = float(keras.ops.convert_to_numpy(lr))
+        for name in ("loss_scale", "skipped_steps_total"):
+            if name in logs:
+                record[name] = float(logs[name])
+        record["tokens_per_second"] = self._tokens / max(now - self._since, 1e-9)
+        record["memory_gib"] = process_peak_gib()
+        tensors = machine.tensors_peak_mb()
+        if tensors is not None:
+            record["tensors_gib"] = tensors / 1024
+        self.records.append(record)
+        logs.update({k: v for k, v in record.items() if k != "update"})
+        self._since, self._tokens = now, 0.0
+        print(self.line(record, now), flush=True)
+
+    def line(self, record: dict[str, float], now: float) -> str:
+        """One line of the progress bar."""
+        done = self.update / self.total
+        width = 20
+        filled = round(done * width)
+        bar = "━" * filled + "─" * (width - filled)
+        parts = [f"{self.update:>{len(str(self.total))}}/{self.total} {bar}"]
+        parts.append(f"loss {record['loss']:.4f}" if "loss" in record else "")
+        if "accuracy" in record:
+            parts.append(f"accuracy {record['accuracy']:.3f}")
+        parts.append(f"lr {record['learning_rate']:.2e}")
+        if "loss_scale" in record:
+            parts.append(f"scale {record['loss_scale']:g}")
+        if "skipped_steps_total" in record:
+            parts.append(f"skipped {record['skipped_steps_total']:g}")
+        parts.append(f"{record['tokens_per_second']:,.0f} tokens/s")
+        memory = f"memory {record['memory_gib']:.2f} GiB"
+        if "tensors_gib" in record:
+            memory += f" (tensors {record['tensors_gib'] * 1024:,.1f} MiB)"
+        parts.append(memory)
+        rate = (now - self._began) / max(self.update - self._first, 1)
+        parts.append(f"{rate * (self.total - self.update):.0f}s left")
+        return " · ".join(p for p in parts if p)

@@ -1,0 +1,498 @@
+"""A `kmp finetune` run: the config's last checks, the plan, training with
+checkpoints, and what it writes.
+
+What it writes in `output_dir`:
+
+- `adapter.lora.h5`: the LoRA weights (KerasHub's `save_lora_weights`), or
+  `preset/`: the whole fine-tuned model (`save_to_preset`) for a full
+  fine-tune;
+- `merged/` (with `merge: true`): a preset with the adapters merged into
+  the weights, which `keras_hub.models.CausalLM.from_preset` loads;
+- `config.yaml`: the resolved config; `metrics.json`: the run's records;
+- `checkpoint.npz`: what training changed so far (trainable weights,
+  optimizer state, the update reached), from which `resume: true`
+  continues; `logs/` (TensorBoard), `loss_scale.csv`, `loss_scale.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmp.backend import machine
+from kmp.diagnostics import memory
+from kmp.diagnostics.monitor import LossScaleMonitor
+from kmp.optimizers import adam as kmp_adam
+from kmp.precision import policy as policy_lib
+from kmp.tools import bench
+from kmp.tools.finetune import data
+from kmp.tools.finetune import model as model_lib
+from kmp.tools.finetune import progress
+from kmp.training import compile as compile_lib
+
+CHECKPOINT = "checkpoint.npz"
+# Keys a resumed run may change: they do not change what it trains.
+MAY_CHANGE_ON_RESUME = (
+    "resume",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "merge",
+    "output_dir",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the last checks resolved."""
+
+    policy: str
+    reason: str
+    budget_mb: float | None
+
+
+def check(config: Any) -> Checked:
+    """The checks that need kmp: the policy (`'auto'` resolved) against the
+    quantization, the memory budget's size, and a checkpoint to resume
+    against the config. Raises the config's error listing every problem
+    found, its own and these."""
+    values, problems = config.values, []
+    policy, reason = values["policy"], "as the config says"
+    if policy == "auto":
+        choice = machine.resolve_auto()
+        policy, reason = choice.policy, f"'auto': {choice.reason}"
+    known = policy in policy_lib.list_policies()
+    if (
+        known
+        and values["quantize"] == "int8"
+        and policy_lib.get(policy).compute_dtype == "float16"
+    ):
+        picks = (
+            f"'auto' picks {policy} here"
+            if values["policy"] == "auto"
+            else (f"policy is {policy}")
+        )
+        problems.append(
+            f"quantize: Keras refuses int8 weights under a float16 compute "
+            f"dtype, and {picks}. Fix: policy: mixed_bfloat16, or quantize: int4."
+        )
+    budget = None
+    if isinstance(values["memory_budget"], str):
+        try:
+            budget = bench.parse_memory(values["memory_budget"])
+        except ValueError as e:
+            problems.append(f"memory_budget: {e}")
+    if values["batch_size"] == "auto" and keras.backend.backend() != "tensorflow":
+        problems.append(
+            "batch_size: 'auto' needs kmp's memory estimate, which reads "
+            "TensorFlow's count of live tensors. Fix: a batch_size, or run "
+            "under KERAS_BACKEND=tensorflow."
+        )
+    path = os.path.join(str(values["output_dir"]), CHECKPOINT)
+    if values["resume"] is True and os.path.isfile(path):
+        problems += _changed_since(path, values)
+    config.check(problems)
+    return Checked(policy, reason, budget)
+
+
+def _changed_since(path: str, values: dict[str, Any]) -> list[str]:
+    """The keys whose values differ from those the checkpoint at `path` was
+    written with, where they change what the run trains."""
+    with np.load(path) as saved:
+        before = json.loads(str(saved["config"]))
+    changed = [
+        f"{name}: {before.get(name)!r} in the checkpoint, {value!r} now"
+        for name, value in values.items()
+        if name not in MAY_CHANGE_ON_RESUME and before.get(name) != value
+    ]
+    if not changed:
+        return []
+    return [
+        f"resume: the checkpoint in {values['output_dir']!r} was written with "
+        f"another config ({'; '.join(changed)}). Fix: resume with the config "
+        "it was written with (config.yaml beside it), or a new output_dir."
+    ]
+
+
+def _optimizer(values: dict[str, Any], schedule: progress.WarmupSchedule):
+    kwargs = dict(
+        learning_rate=schedule,
+        weight_decay=values["optimizer.weight_decay"],
+        gradient_accumulation_steps=(
+            values["optimizer.gradient_accumulation_steps"]
+            if values["optimizer.gradient_accumulation_steps"] > 1
+            else None
+        ),
+        clipnorm=values["optimizer.clipnorm"],
+    )
+    if values["optimizer.state_dtype"] == "float32":
+        return keras.optimizers.AdamW(**kwargs)
+    return kmp_adam.AdamW(state_dtype=values["optimizer.state_dtype"], **kwargs)
+
+
+def _saved_variables(lm: Any) -> list:
+    """The variables training changes: the trainable ones, the float8 scales
+    Keras overwrites with their "gradient", and random seed states. The
+    frozen base is left out: a resumed run loads it from the preset again."""
+    return [
+        v
+        for v in lm.variables
+        if v.trainable
+        or getattr(v, "overwrite_with_gradient", False)
+        or v.path.endswith("seed_generator_state")
+    ]
+
+
+class Checkpoint(keras.callbacks.Callback):
+    """Writes `output_dir/checkpoint.npz` every `save_steps` updates: the
+    values of the variables training changes and of the optimizer's, and
+    the update reached. The file is replaced whole (written beside, then
+    renamed), so an interrupted run leaves the last one usable."""
+
+    def __init__(
+        self, path: str, values: dict[str, Any], accumulation: int, start: int
+    ):
+        super().__init__()
+        self.path = path
+        self.values = values
+        self.save_steps = values["save_steps"]
+        self.accumulation = accumulation
+        self.update = start
+        self._batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.accumulation:
+            return
+        self.update += 1
+        if self.save_steps and self.update % self.save_steps == 0:
+            self.save()
+
+    def save(self) -> None:
+        if hasattr(self.model, "jax_state_sync"):  # JAX: its state on the host
+            self.model.jax_state_sync()
+        save(self.path, self.model, self.update, self.values)
+
+
+def save(path: str, lm: Any, update: int, values: dict[str, Any]) -> None:
+    """Writes the checkpoint of `lm` at `update` of a run of the config
+    `values` to `path`, replacing it."""
+    arrays = {"update": np.asarray(update), "config": np.asarray(json.dumps(values))}
+    variables = _saved_variables(lm)
+    for i, v in enumerate(variables):
+        arrays[f"model/{i}"] = _numpy(v)
+    for i, v in enumerate(lm.optimizer.variables):
+        arrays[f"optimizer/{i}"] = _numpy(v)
+    arrays["paths"] = np.asarray([v.path for v in variables])
+    partial = path + ".partial.npz"
+    np.savez(partial, **arrays)
+    os.replace(partial, path)
+
+
+def _numpy(variable: Any) -> np.ndarray:
+    """A variable's value for an .npz file, which holds no bfloat16: those
+    values as float32 (exactly), cast back when assigned."""
+    value = keras.ops.convert_to_numpy(variable.value)
+    return value.astype("float32") if value.dtype.name == "bfloat16" else value
+
+
+def _update_in(path: str) -> int:
+    """The update a checkpoint was written at."""
+    with np.load(path) as saved:
+        return int(saved["update"])
+
+
+def restore(path: str, lm: Any) -> int:
+    """Assigns the checkpoint's values to `lm` and its (built) optimizer;
+    returns the update it was written at."""
+    with np.load(path) as saved:
+        variables = _saved_variables(lm)
+        paths = [str(p) for p in saved["paths"]]
+        if paths != [v.path for v in variables]:
+            raise ValueError(
+                f"{path} holds the state of another model: its variables do not "
+                "match this run's. Fix: resume with the config it was written "
+                "with (config.yaml beside it), or start anew in another "
+                "output_dir."
+            )
+        for i, v in enumerate(variables):
+            v.assign(saved[f"model/{i}"])
+        for i, v in enumerate(lm.optimizer.variables):
+            v.assign(saved[f"optimizer/{i}"])
+        return int(saved["update"])
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a run will do, printed before it starts (and by --dry-run)."""
+
+    lines: list[str]
+    lm: Any  # without its preprocessor: it trains on token arrays
+    preprocessor: Any  # the preset's, put back before a preset is saved
+    train: data.Tokens
+    held_out: data.Tokens | None
+    batch_size: int
+    updates: int
+    estimate_mb: float | None
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def plan(config: Any, checked: Checked) -> Plan:
+    """Loads the model and the data as the run will, and says what it will
+    do: the policy and why, the quantization, the LoRA targets, parameters,
+    bytes per kind, the memory estimate and the batch size."""
+    v = config.values
+    policy_lib.set_policy(checked.policy)
+    keras.utils.set_random_seed(v["seed"])
+    lm = model_lib.load(v["model"])
+    preprocessor, lm.preprocessor = lm.preprocessor, None
+    lines = [
+        f"kmp finetune: {v['model']} ({type(lm).__name__}, "
+        f"{keras.backend.backend()} backend)",
+        f"  policy: {checked.policy} ({checked.reason})",
+    ]
+    if v["quantize"]:
+        model_lib.quantize(lm, v["quantize"])
+    if v["method"] == "lora":
+        names = model_lib.lora_targets(lm, v["lora.targets"])
+        model_lib.add_lora(lm, v["lora.rank"], v["lora.alpha"], names)
+        lines.append(
+            f"  method: LoRA rank {v['lora.rank']}, alpha {v['lora.alpha']:g}, on "
+            f"{', '.join(names)}; base {v['quantize'] or 'not quantized'}"
+        )
+    else:
+        lines.append("  method: full fine-tuning (every weight trains)")
+    tokenizer = preprocessor.tokenizer
+    start = end = None
+    if getattr(preprocessor, "add_start_token", True):
+        start = tokenizer.start_token_id
+    if getattr(preprocessor, "add_end_token", True):
+        end = tokenizer.end_token_id
+    tokens = data.tokenize(
+        data.read_jsonl(v["data.train"]), tokenizer, v["data.max_length"], start, end
+    )
+    if v["data.eval"]:
+        held_out = data.tokenize(
+            data.read_jsonl(v["data.eval"]), tokenizer, tokens.token_ids.shape[1],
+            start, end,
+        )  # fmt: skip
+        train = tokens
+    else:
+        train, held_out = data.split(tokens, v["data.eval_fraction"], v["seed"])
+    sizes = model_lib.Sizes.of(lm)
+    schedule_stub = progress.WarmupSchedule(v["optimizer.learning_rate"], 1, 0)
+    optimizer = _optimizer(v, schedule_stub)
+    estimate = None
+    if keras.backend.backend() == "tensorflow":
+        sample = train.x
+
+        def make_inputs(n: int) -> dict[str, np.ndarray]:
+            rows = np.arange(n) % len(train)
+            return {k: a[rows] for k, a in sample.items()}
+
+        estimate = memory.estimate_memory(lm, make_inputs, optimizer)
+    batch = v["batch_size"]
+    if batch == "auto":
+        fits = estimate.largest_batch(checked.budget_mb)
+        if not fits:
+            raise ValueError(
+                f"batch_size: 'auto' found no batch within memory_budget "
+                f"{v['memory_budget']}: the model's weights, optimizer state and "
+                f"step need {estimate.total_mb(1):,.0f} MiB at batch 1. Fix: a "
+                "larger memory_budget, quantize, or method: lora."
+            )
+        batch = min(fits, len(train))
+    batch = min(batch, len(train))
+    accumulation = v["optimizer.gradient_accumulation_steps"]
+    per_epoch = len(train) // batch // accumulation
+    if per_epoch < 1:
+        raise ValueError(
+            f"data.train: {len(train)} records make no update of "
+            f"{batch} x {accumulation} (batch_size x gradient_accumulation_steps)"
+            ". Fix: more records, or a smaller batch_size or accumulation."
+        )
+    updates = per_epoch * v["epochs"]
+    if v["max_steps"]:
+        updates = min(updates, v["max_steps"])
+    optimizer_bytes = estimate.optimizer_mb * 2**20 if estimate else None
+    lines.append(
+        f"  parameters: {sizes.trainable:,} trainable of {sizes.total:,}; "
+        f"weights {_mib(sizes.weights_bytes)}, gradients "
+        f"{_mib(sizes.gradients_bytes)}"
+        + (f", optimizer state {_mib(optimizer_bytes)}" if optimizer_bytes else "")
+    )
+    held = f", {len(held_out)} held out" if held_out is not None else ""
+    lines.append(
+        f"  data: {len(train)} sequences{held}, {train.token_ids.shape[1]} tokens "
+        f"each at most ({train.tokens_per_row:.0f} on average)"
+    )
+    lines.append(
+        f"  batch: {batch}"
+        + (f" x {accumulation} accumulated" if accumulation > 1 else "")
+        + f"; {updates} updates ({per_epoch} per epoch), learning rate "
+        f"{v['optimizer.learning_rate']:g} ({v['optimizer.schedule']})"
+    )
+    estimate_mb = estimate.total_mb(batch) if estimate else None
+    lines.append(
+        f"  memory estimate: {estimate_mb:,.1f} MiB of tensors at the peak"
+        if estimate
+        else "  memory estimate: not measured (it reads TensorFlow's tensors)"
+    )
+    return Plan(lines, lm, preprocessor, train, held_out, batch, updates, estimate_mb)
+
+
+def _order(n: int, batch: int, seed: int, epoch: int) -> np.ndarray:
+    """The rows of an epoch, shuffled by (seed, epoch), whole batches only:
+    the same on a resumed run."""
+    rows = np.random.default_rng([seed, epoch]).permutation(n)
+    return rows[: n // batch * batch]
+
+
+def train(config: Any, the_plan: Plan) -> dict[str, Any]:
+    """Trains as planned, writing checkpoints, and returns the run's metrics."""
+    v = config.values
+    lm, batch = the_plan.lm, the_plan.batch_size
+    out = v["output_dir"]
+    os.makedirs(out, exist_ok=True)
+    accumulation = v["optimizer.gradient_accumulation_steps"]
+    schedule = progress.WarmupSchedule(
+        v["optimizer.learning_rate"],
+        the_plan.updates,
+        round(v["optimizer.warmup_ratio"] * the_plan.updates),
+        v["optimizer.schedule"],
+        accumulation,
+    )
+    compile_lib.compile(
+        lm,
+        optimizer=_optimizer(v, schedule),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+    )
+    lm.optimizer.build(lm.trainable_variables)
+    checkpoint_path = os.path.join(out, CHECKPOINT)
+    start = restore(checkpoint_path, lm) if v["resume"] else 0
+    with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
+        import yaml
+
+        yaml.safe_dump(config.nested(), f, sort_keys=False)
+    train_rows = the_plan.train
+    per_epoch = len(train_rows) // batch // accumulation
+    tokens_per_batch = train_rows.tokens_per_row * batch
+    bar = progress.Progress(
+        the_plan.updates, v["logging_steps"], accumulation, tokens_per_batch,
+        schedule, first_update=start,
+    )  # fmt: skip
+    checkpoints = Checkpoint(checkpoint_path, v, accumulation, start)
+    checkpoints.set_model(lm)  # it saves at the end, also if nothing was left
+    monitor = LossScaleMonitor(
+        log_dir=os.path.join(out, "logs"),
+        csv_path=os.path.join(out, "loss_scale.csv"),
+        plot_path=os.path.join(out, "loss_scale.png"),
+        every_n_steps=v["logging_steps"] * accumulation,
+    )
+    evaluations = []
+    update = start
+    step = batch * accumulation  # rows per update
+    while update < the_plan.updates:
+        # Train to the next epoch's end, evaluation or the last update.
+        epoch, done = divmod(update, per_epoch)
+        stop = min((epoch + 1) * per_epoch, the_plan.updates)
+        if v["eval_steps"]:
+            stop = min(stop, (update // v["eval_steps"] + 1) * v["eval_steps"])
+        rows = _order(len(train_rows), step, v["seed"], epoch)
+        part = train_rows.take(rows[done * step : (done + stop - update) * step])
+        lm.fit(
+            part.x,
+            part.y,
+            sample_weight=part.sample_weight,
+            batch_size=batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[bar, checkpoints, monitor],
+        )
+        update = stop
+        if the_plan.held_out is not None:
+            evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
+    checkpoints.save()
+    return {"records": bar.records, "evaluations": evaluations}
+
+
+def evaluate(lm: Any, held: data.Tokens, batch: int, update: int) -> dict[str, float]:
+    """The held-out loss and accuracy (of the response tokens), printed."""
+    loss, accuracy = lm.evaluate(
+        held.x, held.y, sample_weight=held.sample_weight, batch_size=batch, verbose=0
+    )
+    print(f"\nupdate {update}: held-out loss {loss:.4f}, accuracy {accuracy:.3f}")
+    return {"update": update, "eval_loss": loss, "eval_accuracy": accuracy}
+
+
+def finetune(config: Any, dry_run: bool = False) -> int:
+    """Runs `kmp finetune` with a read config; returns the exit status."""
+    checked = check(config)
+    the_plan = plan(config, checked)
+    print(the_plan)
+    if dry_run:
+        return 0
+    v = config.values
+    try:
+        metrics = train(config, the_plan)
+    except KeyboardInterrupt:
+        path = os.path.join(v["output_dir"], CHECKPOINT)
+        where = (
+            f"the last checkpoint is {path}, at update {_update_in(path)}; "
+            "resume: true continues from it"
+            if os.path.isfile(path)
+            else "no checkpoint was written yet"
+        )
+        print(f"\nkmp finetune: interrupted; {where}.", file=sys.stderr)
+        return 130
+    out, lm = v["output_dir"], the_plan.lm
+    lm.preprocessor = the_plan.preprocessor
+    if v["method"] == "lora":
+        saved = os.path.join(out, "adapter.lora.h5")
+        lm.backbone.save_lora_weights(saved)
+    else:
+        saved = os.path.join(out, "preset")
+        lm.save_to_preset(saved)
+    if v["merge"]:
+        lm.save_to_preset(os.path.join(out, "merged"))
+    tensors = machine.tensors_peak_mb()
+    metrics.update(
+        policy=checked.policy,
+        peak_memory_gib=progress.process_peak_gib(),
+        peak_tensors_mib=tensors,
+        estimate_mib=the_plan.estimate_mb,
+        loss_scale=_scale(lm.optimizer),
+        skipped_steps=int(keras.ops.convert_to_numpy(lm.optimizer.skipped_steps_total)),
+    )
+    with open(os.path.join(out, "metrics.json"), "w", encoding="utf-8") as f:
+        json.dump(metrics, f, indent=2, default=float)
+    measured = f"{tensors:,.1f} MiB" if tensors is not None else "not counted"
+    estimated = (
+        f" (estimated {the_plan.estimate_mb:,.1f})" if the_plan.estimate_mb else ""
+    )
+    print(
+        f"\nsaved {saved}; peak tensors {measured}{estimated}, process "
+        f"{metrics['peak_memory_gib']:.2f} GiB; skipped steps "
+        f"{metrics['skipped_steps']}"
+    )
+    return 0
+
+
+def _scale(optimizer: Any) -> float | None:
+    if getattr(optimizer, "mode", "none") == "none":
+        return None
+    return float(keras.ops.convert_to_numpy(optimizer.loss_scale))
