@@ -1,10 +1,11 @@
 """Makes what `examples/finetune.yaml` fine-tunes: a tiny KerasHub Llama
 preset and a JSONL file of a synthetic instruction task. No download.
 
-The preset is a small Llama (random weights, a SentencePiece tokenizer
+The preset is a one-layer Llama (random weights, a SentencePiece tokenizer
 trained here on the task's words), first trained for a few seconds on the
 base task: each letter is followed by the next one ("c d e f"). It is saved
-with `save_to_preset`, as a real checkpoint would be.
+with `save_to_preset`, as a real checkpoint would be. `make_preset` makes
+a Gemma too, and larger ones.
 
 The instruction task asks for a step other than one: the prompt
 "step two from c" has the response "e g i k". A model that learned the base
@@ -51,8 +52,17 @@ def records(n: int, rng) -> list[dict]:
     return out
 
 
-def tokenizer() -> keras_hub.models.LlamaTokenizer:
+# Per architecture: the task's classes and the names of the tokenizer's
+# start and end pieces.
+ARCHS = {
+    "llama": ("Llama", "<s>", "</s>"),
+    "gemma": ("Gemma", "<bos>", "<eos>"),
+}
+
+
+def tokenizer(arch: str = "llama"):
     """A SentencePiece tokenizer whose pieces are the task's words."""
+    name, start, end = ARCHS[arch]
     words = [*LETTERS, "step", "from", *STEPS]
     proto = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
@@ -64,25 +74,44 @@ def tokenizer() -> keras_hub.models.LlamaTokenizer:
         unk_id=1,
         bos_id=2,
         eos_id=3,
+        pad_piece="<pad>",
+        bos_piece=start,
+        eos_piece=end,
         minloglevel=2,
     )
-    return keras_hub.models.LlamaTokenizer(proto=proto.getvalue())
+    return getattr(keras_hub.models, f"{name}Tokenizer")(proto=proto.getvalue())
 
 
-def make_preset(directory: str, steps: int = 150, seed: int = 0) -> None:
-    """A tiny Llama that learned the base task, saved as a preset."""
+def make_preset(
+    directory: str,
+    arch: str = "llama",
+    hidden_dim: int = 64,
+    num_layers: int = 1,
+    steps: int = 150,
+    seed: int = 0,
+) -> None:
+    """A small Llama or Gemma that learned the base task, saved as a preset."""
     keras.utils.set_random_seed(seed)
-    tok = tokenizer()
-    preprocessor = keras_hub.models.LlamaCausalLMPreprocessor(tok, sequence_length=16)
-    backbone = keras_hub.models.LlamaBackbone(
+    name = ARCHS[arch][0]
+    models = keras_hub.models
+    tok = tokenizer(arch)
+    shape = dict(
         vocabulary_size=tok.vocabulary_size(),
-        num_layers=2,
+        num_layers=num_layers,
         num_query_heads=4,
         num_key_value_heads=2,
-        hidden_dim=64,
-        intermediate_dim=128,
+        hidden_dim=hidden_dim,
+        intermediate_dim=2 * hidden_dim,
     )
-    lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=preprocessor)
+    if arch == "gemma":
+        shape["head_dim"] = hidden_dim // 4
+    backbone = getattr(models, f"{name}Backbone")(**shape)
+    preprocessor = getattr(models, f"{name}CausalLMPreprocessor")(
+        tok, sequence_length=16
+    )
+    lm = getattr(models, f"{name}CausalLM")(
+        backbone=backbone, preprocessor=preprocessor
+    )
     rng = np.random.default_rng(seed)
     text = [letters_from(int(rng.integers(26)), 1, 12) for _ in range(32 * steps)]
     lm.compile(optimizer=keras.optimizers.Adam(3e-3))
@@ -90,13 +119,18 @@ def make_preset(directory: str, steps: int = 150, seed: int = 0) -> None:
     lm.save_to_preset(directory)
 
 
-def main(directory: str = "finetune-example") -> None:
-    os.makedirs(directory, exist_ok=True)
-    make_preset(os.path.join(directory, "preset"))
-    rng = np.random.default_rng(1)
+def write_data(directory: str, seed: int = 1) -> None:
+    """train.jsonl and eval.jsonl of the instruction task, in `directory`."""
+    rng = np.random.default_rng(seed)
     for name, n in (("train", 960), ("eval", 64)):
         with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records(n, rng))
+
+
+def main(directory: str = "finetune-example") -> None:
+    os.makedirs(directory, exist_ok=True)
+    make_preset(os.path.join(directory, "preset"))
+    write_data(directory)
     print(f"wrote {directory}/preset, {directory}/train.jsonl, {directory}/eval.jsonl")
 
 

@@ -10,8 +10,9 @@ Reading needs no TensorFlow (so that `kmp finetune --help` answers at
 once) and reports every problem it finds in one pass: unknown keys (with
 the closest known one), wrong types, missing files, a preset directory of
 no known format, JSONL lines that do not parse, and settings that do not
-go together. The command checks, next and in the same list, what needs kmp: the policy
-(`'auto'` resolved) against the quantization, and the memory budget.
+go together. The command then checks what needs kmp (the policy, `'auto'`
+resolved, against the quantization; the memory budget; a checkpoint to
+resume) and lists those problems with these (`Config.check`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 POLICIES = ("auto", "mixed_bfloat16", "mixed_float16", "float32", "bfloat16")
 QUANTIZATIONS = (None, "int8", "int4", "float8")
 ROLES = ("system", "user", "assistant")
-# What `resume` looks for in output_dir (written by kmp.tools.finetune).
+# What `resume` looks for in output_dir (kmp.tools.finetune.run writes it).
 CHECKPOINT = "checkpoint.npz"
 # At most this many bad lines are listed per data file.
 MAX_LINES_LISTED = 5

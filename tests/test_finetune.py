@@ -260,3 +260,91 @@ print(type(merged).__name__, "kmp" in sys.modules, agree)
     # Keras merges an adapter into an int4 kernel by quantizing it again:
     # some predictions change (about 1 in 7 here).
     assert float(agree) > 0.75
+
+
+class WordTokenizer:
+    """A stand-in tokenizer: one id per word, in order of first sight."""
+
+    pad_token_id = 0
+
+    def __init__(self):
+        self.ids = {}
+
+    def __call__(self, texts):
+        return [
+            [self.ids.setdefault(w, len(self.ids) + 4) for w in t.split()]
+            for t in texts
+        ]
+
+
+def test_only_the_response_and_the_end_token_are_learned():
+    from kmp.tools.finetune import data
+
+    records = [
+        {"prompt": "add one to two", "response": "three"},
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"},
+            ]
+        },
+    ]
+    tokens = data.tokenize(records, WordTokenizer(), 32, start=2, end=3)
+    # Row 0: <s> add one to two three </s>, padded to row 1's length.
+    # Row 1: <s> system: be brief user: hi assistant: hello there </s>
+    # The inputs are each row but its last token; the targets, the next.
+    assert tokens.token_ids.shape == (2, 9)
+    assert tokens.token_ids[:, 0].tolist() == [2, 2]
+    assert tokens.padding_mask[0].tolist() == [1] * 7 + [0] * 2
+    assert tokens.sample_weight[0].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0]
+    assert tokens.sample_weight[1].tolist() == [0] * 6 + [1, 1, 1]
+    assert tokens.y[0, 5] == tokens.y[1, 8] == 3  # </s> is learned
+
+
+def test_long_records_are_cut_at_max_length():
+    from kmp.tools.finetune import data
+
+    records = [{"prompt": "a b c d e f", "response": "g h i j"}]
+    tokens = data.tokenize(records, WordTokenizer(), 5, start=2, end=3)
+    assert tokens.token_ids.shape == (1, 5)
+    assert tokens.sample_weight[0].tolist() == [0, 0, 0, 0, 0]  # all prompt
+    tokens = data.tokenize(records, WordTokenizer(), 8, start=2, end=3)
+    assert tokens.sample_weight[0].tolist() == [0] * 6 + [1, 1]
+
+
+def test_the_learning_rate_warms_up_then_decays():
+    import keras
+
+    from kmp.tools.finetune import progress
+
+    def rates(shape, accumulation=1):
+        schedule = progress.WarmupSchedule(1.0, 10, 2, shape, accumulation)
+        return [
+            float(keras.ops.convert_to_numpy(schedule(i * accumulation)))
+            for i in range(11)
+        ]
+
+    cosine = rates("cosine")
+    assert cosine[:3] == [0.5, 1.0, 1.0]
+    assert cosine[6] == pytest.approx(0.5)  # half-way through the decay
+    assert cosine[10] == pytest.approx(0.0, abs=1e-7)
+    assert rates("linear")[6] == pytest.approx(0.5)
+    assert rates("constant")[10] == 1.0
+    assert rates("cosine", accumulation=4) == cosine  # counted in updates
+
+
+def test_auto_batch_is_the_largest_the_estimate_fits():
+    from kmp.diagnostics.memory import MemoryEstimate
+    from kmp.tools.finetune import run
+
+    estimate = MemoryEstimate(
+        weights_mb=100.0, optimizer_mb=20.0, optimizer="AdamW",
+        gradients_mb=10.0, step_mb=30.0, per_sample_mb=5.0,
+    )  # fmt: skip
+    assert run.auto_batch(estimate, 400.0, "400M") == 50  # 150 + 50 * 5 <= 400
+    with pytest.raises(ValueError, match="no batch within memory_budget 100M"):
+        run.auto_batch(estimate, 100.0, "100M")
+    flat = MemoryEstimate(100.0, 20.0, "AdamW", 10.0, 30.0, 0.0, 0.25)
+    with pytest.raises(ValueError, match=r"saw no growth.*Fix: set a batch_size"):
+        run.auto_batch(flat, 400.0, "400M")

@@ -245,6 +245,33 @@ class Plan:
         return "\n".join(self.lines)
 
 
+def auto_batch(estimate: memory.MemoryEstimate, budget_mb: float, given: str) -> int:
+    """The largest batch whose estimated peak fits `budget_mb` (the config's
+    `memory_budget`, `given`).
+
+    Raises:
+        ValueError: where no batch fits, or where the estimate saw no
+            growth with the batch (its tensors are below what the device's
+            count sees), so that it bounds no batch size.
+    """
+    fits = estimate.largest_batch(budget_mb)
+    if fits is None:
+        raise ValueError(
+            f"batch_size: 'auto' needs the step's memory to grow with the batch, "
+            f"and the estimate saw no growth: each sample's tensors are below "
+            f"the smallest this device counts ({estimate.uncounted_below_mb:g} "
+            "MiB). Fix: set a batch_size."
+        )
+    if fits == 0:
+        raise ValueError(
+            f"batch_size: 'auto' found no batch within memory_budget {given}: "
+            f"weights, optimizer state and the step need "
+            f"{estimate.total_mb(1):,.0f} MiB at batch 1. Fix: a larger "
+            "memory_budget, a quantized base, or method: lora."
+        )
+    return fits
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -305,15 +332,7 @@ def plan(config: Any, checked: Checked) -> Plan:
         estimate = memory.estimate_memory(lm, make_inputs, optimizer)
     batch = v["batch_size"]
     if batch == "auto":
-        fits = estimate.largest_batch(checked.budget_mb)
-        if not fits:
-            raise ValueError(
-                f"batch_size: 'auto' found no batch within memory_budget "
-                f"{v['memory_budget']}: the model's weights, optimizer state and "
-                f"step need {estimate.total_mb(1):,.0f} MiB at batch 1. Fix: a "
-                "larger memory_budget, quantize, or method: lora."
-            )
-        batch = min(fits, len(train))
+        batch = auto_batch(estimate, checked.budget_mb, v["memory_budget"])
     batch = min(batch, len(train))
     accumulation = v["optimizer.gradient_accumulation_steps"]
     per_epoch = len(train) // batch // accumulation
