@@ -14,7 +14,8 @@ of the progress lines after the first), the last training loss and the
 held-out accuracy of the response tokens (chance: 1 in 26).
 
 Run: python benchmarks/finetune_table.py [--hidden 512] [--layers 4]
-     [--epochs 2] [--archs llama gemma] [--out /tmp/finetune-table]
+     [--epochs 2] [--archs llama gemma] [--methods full LoRA ...]
+     [--out /tmp/finetune-table]
 """
 
 import argparse
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--archs", nargs="+", default=["llama", "gemma"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", default="/tmp/finetune-table")
     args = parser.parse_args()
     maker = runpy.run_path(str(ROOT / "examples" / "finetune_data.py"))
@@ -88,7 +90,8 @@ def main() -> None:
                 str(made / "preset"), arch, args.hidden, args.layers, steps=300
             )
         for policy in POLICIES:
-            for method, extra in METHODS.items():
+            for method in args.methods:
+                extra = METHODS[method]
                 out = made / f"{policy}-{method.replace(' ', '-')}"
                 if out.exists():
                     subprocess.run(["rm", "-rf", str(out)], check=True)

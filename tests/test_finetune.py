@@ -8,6 +8,7 @@ makes here (random weights, a tokenizer trained on the task's words).
 import json
 import os
 import pathlib
+import re
 import runpy
 import signal
 import subprocess
@@ -157,14 +158,15 @@ def test_a_setting_that_needs_another_is_named_with_its_fix(tmp_path, made):
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, made, capsys):
     out = tmp_path / "out"
-    assert kmp_cli.main([*flags(made, out), "--dry-run"]) == 0
+    argv = [*flags(made, out), "--data.eval", "null", "--data.eval_fraction", "0.1"]
+    assert kmp_cli.main([*argv, "--dry-run"]) == 0
     plan = capsys.readouterr().out
-    assert "policy: mixed_bfloat16 ('auto': " in plan or "policy: " in plan
+    assert re.search(r"policy: \w+ \('auto': .+\)\n", plan)  # the choice and why
     assert f"LoRA rank 8, alpha 32, on {', '.join(TARGETS)};" in plan
     assert "base int4" in plan
     assert "trainable of" in plan and "optimizer state" in plan
-    assert "960 sequences, 64 held out" in plan
-    assert "batch: 16 x 2 accumulated; 90 updates (30 per epoch)" in plan
+    assert "864 sequences, 96 held out" in plan
+    assert "batch: 16 x 2 accumulated; 81 updates (27 per epoch)" in plan
     assert "memory estimate:" in plan
     assert not out.exists()
 
@@ -189,15 +191,24 @@ def test_the_example_learns_and_a_resumed_run_ends_where_one_run_does(
     """The example config (2 epochs) learns the instruction task; a run
     interrupted (Ctrl-C) after its first checkpoint and resumed ends with
     the same adapter weights as the run that was not interrupted."""
-    more = ("--epochs", "2", "--save_steps", "10", "--merge", "true")
+    more = (
+        "--epochs",
+        "2",
+        "--save_steps",
+        "10",
+        "--eval_steps",
+        "20",
+        "--merge",
+        "true",
+    )
     whole = tmp_path / "whole"
     assert kmp_cli.main(flags(made, whole, *more)) == 0
     out = capsys.readouterr().out
     assert "60/60 ━━━━━━━━━━━━━━━━━━━━ · loss " in out
     assert "tokens/s · memory " in out
     metrics = json.loads((whole / "metrics.json").read_text())
+    assert [e["update"] for e in metrics["evaluations"]] == [20, 40, 60]
     final = metrics["evaluations"][-1]
-    assert final["update"] == 60
     assert final["eval_accuracy"] > 5 / LETTERS, final
     assert metrics["records"][-1]["tokens_per_second"] > 0
     assert (whole / "config.yaml").read_text().startswith("model: ")

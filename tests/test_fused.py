@@ -205,6 +205,11 @@ def test_the_default_fuses_an_update_by_its_number_of_weights(monkeypatch):
     assert not fused.resolve(None, "adam", below)
     assert fused.resolve(True, "adam", below)  # True forces it
     assert not fused.resolve(False, "adam", at_threshold)
+    # Keras's gradient accumulation, compiled into the program, held about
+    # three times the gradients more than unfused: not fused by default.
+    accumulating = keras.optimizers.AdamW(gradient_accumulation_steps=2)
+    assert not fused.resolve(None, accumulating, at_threshold)
+    assert fused.resolve(True, accumulating, at_threshold)
     # The built-in benchmark models: the MLP (12.6 M weights) and the
     # transformer (3.6 M) are fused, the small CNN (0.31 M) is not: fusing
     # its update made its whole step slower. The digits demo's MLP (8.5 M)

@@ -46,8 +46,11 @@ fused update passes over the whole table.
 compute the same numbers fused; not their subclasses) on machines without
 GPUs or TPUs (where it was measured), when the update has at least
 `MIN_WEIGHTS` weights, outside tf.distribute strategies (an update that
-all-reduces across replicas cannot run inside one XLA program here) and
-unless op determinism is enabled (as Keras, which then keeps XLA off);
+all-reduces across replicas cannot run inside one XLA program here),
+unless op determinism is enabled (as Keras, which then keeps XLA off), and
+unless the optimizer accumulates gradients (Keras's accumulation, compiled
+into the program, held about three times the gradients' size more than
+unfused, and ran no faster);
 `True` and `False` force it, `True` also for other optimizer classes and
 for small updates. `kmp.compile` wraps every optimizer (to skip non-finite
 steps) with this default, under every policy: float32 models keep float32
@@ -159,8 +162,9 @@ def rule() -> str:
     return (
         "kmp fuses the float32 optimizer update with XLA when it updates at "
         f"least {MIN_WEIGHTS:,} weights (Keras's "
-        "own optimizer classes; not under a tf.distribute strategy or with op "
-        "determinism): below that size fusing was measured to save little, "
+        "own optimizer classes; not under a tf.distribute strategy, with op "
+        "determinism or with gradient accumulation): below that size fusing "
+        "was measured to save little, "
         "and to slow a small CNN's whole step. fused_update=True/False "
         "forces it."
     )
@@ -181,6 +185,11 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
     True
     >>> small = [keras.Variable(np.zeros((1000, 100)))]  # 100 K weights
     >>> resolve(None, "adam", small)
+    False
+    >>> large = [keras.Variable(np.zeros((1000, 1000)))]  # 1 M weights
+    >>> resolve(None, "adam", large) == default_for_machine()
+    True
+    >>> resolve(None, keras.optimizers.Adam(gradient_accumulation_steps=2), large)
     False
     """
     if setting is False:
@@ -216,6 +225,7 @@ def resolve(setting: bool | None, optimizer: Any = None, variables: Any = None) 
         default_for_machine()
         and not tensorflow_private.op_determinism_enabled()
         and (optimizer is None or is_tested(optimizer))
+        and not getattr(optimizer, "gradient_accumulation_steps", None)
         and (variables is None or (weights_of(variables) or 0) >= MIN_WEIGHTS)
     )
 

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import sys
+import zipfile
 from typing import Any
 
 import keras
@@ -182,16 +183,24 @@ class Checkpoint(keras.callbacks.Callback):
 
 def save(path: str, lm: Any, update: int, values: dict[str, Any]) -> None:
     """Writes the checkpoint of `lm` at `update` of a run of the config
-    `values` to `path`, replacing it."""
-    arrays = {"update": np.asarray(update), "config": np.asarray(json.dumps(values))}
+    `values` to `path` (an .npz file), replacing it. Each variable's value
+    is copied out and written in turn: the run's state is never held twice.
+    """
     variables = _saved_variables(lm)
-    for i, v in enumerate(variables):
-        arrays[f"model/{i}"] = _numpy(v)
-    for i, v in enumerate(lm.optimizer.variables):
-        arrays[f"optimizer/{i}"] = _numpy(v)
-    arrays["paths"] = np.asarray([v.path for v in variables])
-    partial = path + ".partial.npz"
-    np.savez(partial, **arrays)
+    partial = path + ".partial"
+    with zipfile.ZipFile(partial, "w") as archive:
+
+        def put(name: str, value: np.ndarray) -> None:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, value, allow_pickle=False)
+
+        put("update", np.asarray(update))
+        put("config", np.asarray(json.dumps(values)))
+        put("paths", np.asarray([v.path for v in variables]))
+        for i, v in enumerate(variables):
+            put(f"model/{i}", _numpy(v))
+        for i, v in enumerate(lm.optimizer.variables):
+            put(f"optimizer/{i}", _numpy(v))
     os.replace(partial, path)
 
 
@@ -443,7 +452,12 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
             callbacks=[bar, checkpoints, monitor],
         )
         update = stop
-        if the_plan.held_out is not None:
+        due = (
+            update % v["eval_steps"] == 0
+            if v["eval_steps"]
+            else update % per_epoch == 0
+        )
+        if the_plan.held_out is not None and (due or update == the_plan.updates):
             evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
     checkpoints.save()
     return {"records": bar.records, "evaluations": evaluations}
@@ -500,9 +514,10 @@ def finetune(config: Any, dry_run: bool = False) -> int:
     with open(os.path.join(out, "metrics.json"), "w", encoding="utf-8") as f:
         json.dump(metrics, f, indent=2, default=float)
     measured = f"{tensors:,.1f} MiB" if tensors is not None else "not counted"
-    estimated = (
-        f" (estimated {the_plan.estimate_mb:,.1f})" if the_plan.estimate_mb else ""
-    )
+    estimated = ""
+    if the_plan.estimate_mb and tensors:
+        off = the_plan.estimate_mb / tensors - 1
+        estimated = f" (estimated {the_plan.estimate_mb:,.1f}: {off:+.0%})"
     print(
         f"\nsaved {saved}; peak tensors {measured}{estimated}, process "
         f"{metrics['peak_memory_gib']:.2f} GiB; skipped steps "
