@@ -217,21 +217,8 @@ def test_the_example_learns_and_a_resumed_run_ends_where_one_run_does(
 
     # Interrupted once its first checkpoint is written, then resumed.
     cut = tmp_path / "cut"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "kmp", *flags(made, cut, *more)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while not (cut / "checkpoint.npz").exists() and run.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        run.send_signal(signal.SIGINT)
-        _, err = run.communicate(timeout=120)
-    finally:
-        run.kill()
-    assert run.returncode == 130, err
+    code, _, err = interrupt_after_checkpoint(flags(made, cut, *more), cut)
+    assert code == 130, err
     assert "interrupted; the last checkpoint is" in err
     with np.load(cut / "checkpoint.npz") as saved:
         assert 10 <= int(saved["update"]) < 60
@@ -263,8 +250,8 @@ agree = ((one == two) * mask).sum() / mask.sum()
 print(type(merged).__name__, "kmp" in sys.modules, agree)
 """
     loaded = subprocess.run(
-        [sys.executable, "-c", check], capture_output=True, text=True, env=env,
-        timeout=300, check=True,
+        [sys.executable, "-c", check], capture_output=True, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300, check=True,
     )  # fmt: skip
     name, imported, agree = loaded.stdout.split()
     assert (name, imported) == ("LlamaCausalLM", "False")
@@ -359,3 +346,59 @@ def test_auto_batch_is_the_largest_the_estimate_fits():
     flat = MemoryEstimate(100.0, 20.0, "AdamW", 10.0, 30.0, 0.0, 0.25)
     with pytest.raises(ValueError, match=r"saw no growth.*Fix: set a batch_size"):
         run.auto_batch(flat, 400.0, "400M")
+
+
+def interrupt_after_checkpoint(argv: list[str], out: pathlib.Path, **env: str):
+    """Runs `kmp ARGV` in a fresh process, sends it Ctrl-C once it wrote its
+    first checkpoint in `out`, and returns (return code, stdout, stderr)."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "kmp", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoint.npz").exists() and run.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    return run.returncode, stdout, stderr
+
+
+def test_on_jax_a_checkpoint_in_mid_epoch_holds_the_trained_values(tmp_path):
+    """On JAX, `fit` keeps the trained values out of the model's variables
+    until its epoch ends: a checkpoint written inside the epoch must hold
+    them (Keras's `Callback.model` puts them back)."""
+    script = f"""
+import shutil, keras, numpy as np
+from kmp.tools.finetune import run
+def make():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+x, y = np.arange(64.0).reshape(16, 4) / 64, np.ones((16, 2))
+two = make()  # two steps, then the epoch's end: its state on the host
+two.fit(x[:4], y[:4], batch_size=2, shuffle=False, verbose=0)
+expected = keras.ops.convert_to_numpy(two.layers[0].kernel.value)
+model = make()
+path = {str(tmp_path / "checkpoint.npz")!r}
+saves = run.Checkpoint(path, {{"save_steps": 2}}, accumulation=1, start=0)
+class Keep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:  # the checkpoint of update 2, inside the epoch
+            shutil.copy(path, path + ".kept.npz")
+model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[saves, Keep()])
+with np.load(path + ".kept.npz") as kept:
+    print(int(kept["update"]), np.allclose(kept["model/0"], expected))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True,
+        env={**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "True"]

@@ -21,21 +21,29 @@ class Sizes:
     """A model's parameter counts and the bytes training holds for them."""
 
     trainable: int
-    total: int
-    weights_bytes: int  # every weight, as stored (int4 weights packed)
+    total: int  # the base's parameters as loaded, and the adapters'
+    weights_bytes: int  # every weight, as stored (int4 ones two to a byte)
     gradients_bytes: int  # one gradient per trainable weight
 
     @classmethod
-    def of(cls, model: keras.Model) -> Sizes:
+    def of(cls, model: keras.Model, base: int) -> Sizes:
+        """The sizes of `model`, whose base had `base` parameters before
+        it was quantized (int4 stores two to an element) and LoRA added."""
+        adapters = sum(
+            count([site.layer.lora_kernel_a, site.layer.lora_kernel_b])
+            for site in traversal.walk(model)
+            if getattr(site.layer, "lora_enabled", False)
+        )
         return cls(
-            trainable=_count(model.trainable_weights),
-            total=_count(model.weights),
+            trainable=count(model.trainable_weights),
+            total=base + adapters,
             weights_bytes=_bytes(model.weights),
             gradients_bytes=_bytes(model.trainable_weights),
         )
 
 
-def _count(variables) -> int:
+def count(variables) -> int:
+    """The number of values `variables` hold."""
     return sum(int(np.prod(v.shape)) for v in variables)
 
 

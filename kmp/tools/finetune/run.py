@@ -176,8 +176,7 @@ class Checkpoint(keras.callbacks.Callback):
             self.save()
 
     def save(self) -> None:
-        if hasattr(self.model, "jax_state_sync"):  # JAX: its state on the host
-            self.model.jax_state_sync()
+        # On JAX, Keras's `Callback.model` puts the step's state on the host.
         save(self.path, self.model, self.update, self.values)
 
 
@@ -294,6 +293,7 @@ def plan(config: Any, checked: Checked) -> Plan:
     keras.utils.set_random_seed(v["seed"])
     lm = model_lib.load(v["model"])
     preprocessor, lm.preprocessor = lm.preprocessor, None
+    base = model_lib.count(lm.weights)
     lines = [
         f"kmp finetune: {v['model']} ({type(lm).__name__}, "
         f"{keras.backend.backend()} backend)",
@@ -327,7 +327,7 @@ def plan(config: Any, checked: Checked) -> Plan:
         train = tokens
     else:
         train, held_out = data.split(tokens, v["data.eval_fraction"], v["seed"])
-    sizes = model_lib.Sizes.of(lm)
+    sizes = model_lib.Sizes.of(lm, base)
     schedule_stub = progress.WarmupSchedule(v["optimizer.learning_rate"], 1, 0)
     optimizer = _optimizer(v, schedule_stub)
     estimate = None
