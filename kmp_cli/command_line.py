@@ -211,11 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return 2
-    if args.command == "finetune":
-        # Read before TensorFlow starts; its problems are listed with the
-        # command's own checks.
-        args.finetune = finetune_config.read(args)
     try:
+        if args.command == "finetune":
+            # Read before TensorFlow starts; its problems are listed with
+            # the command's own checks.
+            args.finetune = finetune_config.read(args)
         quiet.start_tensorflow()
         from kmp.tools import cli
 

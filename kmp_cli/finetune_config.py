@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -194,7 +195,8 @@ KEYS = (
         "batch_size",
         8,
         "batch",
-        "sequences per batch, or 'auto': the largest that fits memory_budget",
+        "sequences per batch, or 'auto': the largest that fits memory_budget "
+        "(TensorFlow only)",
         minimum=1,
     ),
     Key(
@@ -227,7 +229,7 @@ KEYS = (
         "save_steps",
         100,
         "int",
-        "updates between checkpoints in output_dir",
+        "updates between checkpoints in output_dir (null: one at the end)",
         minimum=1,
         nullable=True,
     ),
@@ -243,7 +245,7 @@ KEYS = (
         "bool",
         "also save a preset with the adapters merged into the weights",
     ),
-    Key("seed", 0, "int", "the seed of weights, data order and dropout"),
+    Key("seed", 0, "int", "the seed of LoRA's weights and the data order", minimum=0),
 )
 BY_NAME = {key.name: key for key in KEYS}
 SECTIONS = sorted({key.name.split(".")[0] for key in KEYS if "." in key.name})
@@ -345,6 +347,7 @@ def read(args: argparse.Namespace) -> Config:
                     f"the config or pass --{key.name}."
                 )
             continue
+        values[key.name] = _float_written_as_text(key, values[key.name])
         problem = _check_value(key, values[key.name])
         if problem:
             bad.add(key.name)
@@ -395,6 +398,9 @@ def _read_file(path: str, problems: list[str]) -> dict[str, Any]:
     except yaml.YAMLError as e:
         problems.append(f"{path}: not valid YAML: {e}")
         return {}
+    except UnicodeDecodeError as e:
+        problems.append(f"{path}: not UTF-8 text ({e}).")
+        return {}
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -443,6 +449,17 @@ def _unknown(name: str) -> str:
     return f"{name}: unknown key.{hint} `kmp finetune --help` lists the keys."
 
 
+def _float_written_as_text(key: Key, value: Any) -> Any:
+    """`value`, or the number it writes for a float key. PyYAML reads
+    `2e-4` (no dot, as YAML 1.1 wants) as text; people write it so."""
+    if key.kind != "float" or not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def _check_value(key: Key, value: Any) -> str | None:
     """What is wrong with `value` for `key`, or None."""
     if value is None and (key.nullable or None in key.choices):
@@ -455,8 +472,9 @@ def _check_value(key: Key, value: Any) -> str | None:
         if value != "auto" and not _is_number(value, int):
             expected = "a whole number or 'auto'"
     elif key.kind in ("int", "float"):
-        if not _is_number(value, int if key.kind == "int" else (int, float)):
-            expected = "a whole number" if key.kind == "int" else "a number"
+        kinds = int if key.kind == "int" else (int, float)
+        if not (_is_number(value, kinds) and math.isfinite(value)):
+            expected = "a whole number" if key.kind == "int" else "a finite number"
     elif key.kind == "bool":
         if not isinstance(value, bool):
             expected = "true or false"
@@ -579,8 +597,13 @@ def check_jsonl(name: str, path: str) -> list[str]:
         return [f"{name}: no such file: {path!r}."]
     bad = []
     records = 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(f"{path}:{number}: not UTF-8 text.")
+                continue
             if not line.strip():
                 continue
             records += 1
@@ -592,7 +615,7 @@ def check_jsonl(name: str, path: str) -> list[str]:
             problem = record_problem(record)
             if problem:
                 bad.append(f"{path}:{number}: {problem}")
-    if not records:
+    if not records and not bad:
         return [f"{name}: {path!r} holds no records."]
     listed = bad[:MAX_LINES_LISTED]
     if len(bad) > len(listed):
@@ -632,6 +655,11 @@ def record_problem(record: Any) -> str | None:
 
 
 def _check_output(path: str, resume: bool) -> list[str]:
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [
+            f"output_dir: {path!r} is a file; expected a directory to write "
+            "in. Fix: another output_dir."
+        ]
     checkpoint = os.path.join(path, CHECKPOINT)
     if resume and not os.path.isfile(checkpoint):
         return [

@@ -88,8 +88,13 @@ def test_flags_override_the_file_and_are_read_as_yaml(tmp_path):
         "quantize: int4\nlora:\n  rank: 4\n  targets: [query, value]\nepochs: 2\n",
     )
     read = finetune_config.read(
-        parse("--config", config, "--lora.rank", "16", "--quantize", "null")
-    )
+        parse(
+            "--config", config, "--lora.rank", "16", "--quantize", "null",
+            "--optimizer.learning_rate", "2e-4",
+        )
+    )  # fmt: skip
+    assert not [p for p in read.problems if "learning_rate" in p]
+    assert read["optimizer.learning_rate"] == 2e-4  # YAML 1.1 reads text
     assert read["lora.rank"] == 16
     assert read["quantize"] is None
     assert read["lora.targets"] == ["query", "value"]
@@ -116,12 +121,14 @@ def test_a_bad_config_lists_every_problem_and_loads_nothing(tmp_path, capsys):
         "quantize: int8\n"
         "lora:\n  rnak: 8\n"
         "epochs: two\n"
+        "optimizer:\n  weight_decay: .nan\n"
         f"data:\n  train: {data}\n  eval: {tmp_path / 'missing.jsonl'}\n"
         f"output_dir: {tmp_path / 'out'}\n",
     )
     assert kmp_cli.main(["finetune", "--config", config]) == 2
     err = capsys.readouterr().err
-    assert "the config has 8 problems; nothing was loaded or trained" in err
+    assert "the config has 9 problems; nothing was loaded or trained" in err
+    assert "optimizer.weight_decay: expected a finite number; got nan." in err
     assert "lora.rnak: unknown key. Did you mean 'lora.rank'?" in err
     assert "epochs: expected a whole number; got 'two'." in err
     assert f"{data}:2: not JSON" in err
@@ -167,7 +174,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, made, capsys):
     assert "trainable of" in plan and "optimizer state" in plan
     assert "864 sequences, 96 held out" in plan
     assert "batch: 16 x 2 accumulated; 81 updates (27 per epoch)" in plan
-    assert "memory estimate:" in plan
+    assert re.search(r"memory estimate: [0-9.]+ MiB of tensors at the peak", plan)
     assert not out.exists()
 
 
@@ -386,7 +393,9 @@ two.fit(x[:4], y[:4], batch_size=2, shuffle=False, verbose=0)
 expected = keras.ops.convert_to_numpy(two.layers[0].kernel.value)
 model = make()
 path = {str(tmp_path / "checkpoint.npz")!r}
-saves = run.Checkpoint(path, {{"save_steps": 2}}, accumulation=1, start=0)
+saves = run.Checkpoint(
+    path, {{"config": {{"save_steps": 2}}}}, accumulation=1, start=0, history={{}}
+)
 class Keep(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 1:  # the checkpoint of update 2, inside the epoch
@@ -402,3 +411,16 @@ with np.load(path + ".kept.npz") as kept:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "True"]
+
+
+def test_an_output_dir_that_is_a_file_or_bad_text_is_named(tmp_path, made):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "caf\xe9", "response": "b"}\n'.encode("latin-1"))
+    argv = flags(made, taken, "--data.train", str(latin1), "--seed", "-1")
+    problems = finetune_config.read(kmp_cli.build_parser().parse_args(argv)).problems
+    assert len(problems) == 3, problems
+    assert any("output_dir:" in p and "is a file" in p for p in problems)
+    assert any(f"{latin1}:1: not UTF-8 text." in p for p in problems)
+    assert any(p.startswith("seed: expected at least 0; got -1") for p in problems)

@@ -87,7 +87,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         fused_update: Whether the inner optimizer's update runs as one XLA
             program (the same formulas, fused). `None` (default): for Keras's
             own optimizers, on machines without GPUs or TPUs, for at least a
-            million weights, outside strategies. `True` or `False` force it.
+            million weights, outside strategies, without gradient
+            accumulation. `True` or `False` force it.
         name: The optimizer's name.
 
     Example:

@@ -60,7 +60,8 @@ def compile(
         *args: Positional arguments of `model.compile`.
         fused_update: `None` (default) fuses the optimizer update where that
             helps: Keras's optimizer classes tested for it, updates of at
-            least a million weights, machines without GPUs or TPUs;
+            least a million weights, machines without GPUs or TPUs, no
+            gradient accumulation;
             `True` always; `False` never. For an optimizer
             that already is a `kmp.LossScaleOptimizer`, set it there instead.
         sample: A batch of inputs (real data). Where the model computes in

@@ -40,7 +40,7 @@ class Tokens:
 
     def take(self, rows: np.ndarray) -> Tokens:
         """The rows `rows` (indices), in that order."""
-        return Tokens(*(a[rows] for a in dataclasses.astuple(self)))
+        return Tokens(*(getattr(self, f.name)[rows] for f in dataclasses.fields(self)))
 
     @property
     def tokens_per_row(self) -> float:

@@ -137,7 +137,7 @@ class Progress(keras.callbacks.Callback):
         record["memory_gib"] = process_peak_gib()
         tensors = machine.tensors_peak_mb()
         if tensors is not None:
-            record["tensors_gib"] = tensors / 1024
+            record["tensors_mib"] = tensors
         self.records.append(record)
         logs.update({k: v for k, v in record.items() if k != "update"})
         self._since, self._tokens = now, 0.0
@@ -160,8 +160,8 @@ class Progress(keras.callbacks.Callback):
             parts.append(f"skipped {record['skipped_steps_total']:g}")
         parts.append(f"{record['tokens_per_second']:,.0f} tokens/s")
         memory = f"memory {record['memory_gib']:.2f} GiB"
-        if "tensors_gib" in record:
-            memory += f" (tensors {record['tensors_gib'] * 1024:,.1f} MiB)"
+        if "tensors_mib" in record:
+            memory += f" (tensors {record['tensors_mib']:,.1f} MiB)"
         parts.append(memory)
         rate = (now - self._began) / max(self.update - self._first, 1)
         parts.append(f"{rate * (self.total - self.update):.0f}s left")

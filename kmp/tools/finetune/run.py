@@ -106,7 +106,7 @@ def _changed_since(path: str, values: dict[str, Any]) -> list[str]:
     """The keys whose values differ from those the checkpoint at `path` was
     written with, where they change what the run trains."""
     with np.load(path) as saved:
-        before = json.loads(str(saved["config"]))
+        before = json.loads(str(saved["run"]))["config"]
     changed = [
         f"{name}: {before.get(name)!r} in the checkpoint, {value!r} now"
         for name, value in values.items()
@@ -157,12 +157,18 @@ class Checkpoint(keras.callbacks.Callback):
     renamed), so an interrupted run leaves the last one usable."""
 
     def __init__(
-        self, path: str, values: dict[str, Any], accumulation: int, start: int
+        self,
+        path: str,
+        run: dict[str, Any],
+        accumulation: int,
+        start: int,
+        history: dict[str, list],
     ):
         super().__init__()
         self.path = path
-        self.values = values
-        self.save_steps = values["save_steps"]
+        self.run = run
+        self.history = history  # the progress records and evaluations so far
+        self.save_steps = run["config"]["save_steps"]
         self.accumulation = accumulation
         self.update = start
         self._batches = 0
@@ -177,14 +183,16 @@ class Checkpoint(keras.callbacks.Callback):
 
     def save(self) -> None:
         # On JAX, Keras's `Callback.model` puts the step's state on the host.
-        save(self.path, self.model, self.update, self.values)
+        save(self.path, self.model, self.update, self.run, self.history)
 
 
-def save(path: str, lm: Any, update: int, values: dict[str, Any]) -> None:
-    """Writes the checkpoint of `lm` at `update` of a run of the config
-    `values` to `path` (an .npz file), replacing it. Each variable's value
-    is copied out and written in turn: the run's state is never held twice.
-    """
+def save(
+    path: str, lm: Any, update: int, run: dict[str, Any], history: dict[str, list]
+) -> None:
+    """Writes the checkpoint of `lm` at `update` to `path` (an .npz file),
+    replacing it, with `run` (the config and what the run resolved from it)
+    and `history` (its records so far). Each variable's value is copied out
+    and written in turn: the run's state is never held twice."""
     variables = _saved_variables(lm)
     partial = path + ".partial"
     with zipfile.ZipFile(partial, "w") as archive:
@@ -194,13 +202,22 @@ def save(path: str, lm: Any, update: int, values: dict[str, Any]) -> None:
                 np.lib.format.write_array(f, value, allow_pickle=False)
 
         put("update", np.asarray(update))
-        put("config", np.asarray(json.dumps(values)))
+        put("run", np.asarray(json.dumps(run)))
+        put("history", np.asarray(json.dumps(history, default=float)))
         put("paths", np.asarray([v.path for v in variables]))
+        # Shapes, not paths: an optimizer's name takes a suffix when another
+        # was made in the same process.
+        put("optimizer_shapes", np.asarray(json.dumps(_shapes(lm.optimizer))))
         for i, v in enumerate(variables):
             put(f"model/{i}", _numpy(v))
         for i, v in enumerate(lm.optimizer.variables):
             put(f"optimizer/{i}", _numpy(v))
     os.replace(partial, path)
+
+
+def _shapes(optimizer: Any) -> list[list[int]]:
+    """The shapes of an optimizer's variables, in order."""
+    return [list(v.shape) for v in optimizer.variables]
 
 
 def _numpy(variable: Any) -> np.ndarray:
@@ -216,13 +233,32 @@ def _update_in(path: str) -> int:
         return int(saved["update"])
 
 
-def restore(path: str, lm: Any) -> int:
+def restore(path: str, lm: Any, run: dict[str, Any]) -> int:
     """Assigns the checkpoint's values to `lm` and its (built) optimizer;
-    returns the update it was written at."""
+    returns the update it was written at.
+
+    Raises:
+        ValueError: where the checkpoint's run resolved its batch size,
+            update count or policy otherwise (`'auto'` may pick anew), or
+            holds other variables.
+    """
     with np.load(path) as saved:
+        before = json.loads(str(saved["run"]))
+        resolved = [
+            f"{k}: {before[k]!r} then, {run[k]!r} now"
+            for k in ("batch_size", "updates", "policy")
+            if before[k] != run[k]
+        ]
+        if resolved:
+            raise ValueError(
+                f"resume: the run in {path} resolved its config otherwise "
+                f"({'; '.join(resolved)}). Fix: set them as they were (batch_size, "
+                "policy), or start anew in another output_dir."
+            )
         variables = _saved_variables(lm)
         paths = [str(p) for p in saved["paths"]]
-        if paths != [v.path for v in variables]:
+        shapes = json.loads(str(saved["optimizer_shapes"]))
+        if paths != [v.path for v in variables] or shapes != _shapes(lm.optimizer):
             raise ValueError(
                 f"{path} holds the state of another model: its variables do not "
                 "match this run's. Fix: resume with the config it was written "
@@ -321,7 +357,7 @@ def plan(config: Any, checked: Checked) -> Plan:
     )
     if v["data.eval"]:
         held_out = data.tokenize(
-            data.read_jsonl(v["data.eval"]), tokenizer, tokens.token_ids.shape[1],
+            data.read_jsonl(v["data.eval"]), tokenizer, v["data.max_length"],
             start, end,
         )  # fmt: skip
         train = tokens
@@ -342,8 +378,8 @@ def plan(config: Any, checked: Checked) -> Plan:
     batch = v["batch_size"]
     if batch == "auto":
         batch = auto_batch(estimate, checked.budget_mb, v["memory_budget"])
-    batch = min(batch, len(train))
     accumulation = v["optimizer.gradient_accumulation_steps"]
+    batch = min(batch, max(1, len(train) // accumulation))
     per_epoch = len(train) // batch // accumulation
     if per_epoch < 1:
         raise ValueError(
@@ -405,12 +441,22 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
     compile_lib.compile(
         lm,
         optimizer=_optimizer(v, schedule),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        # The mean over the tokens learned (the response's), not over every
+        # position of the batch: padding and prompts do not dilute it.
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        ),
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
     )
     lm.optimizer.build(lm.trainable_variables)
     checkpoint_path = os.path.join(out, CHECKPOINT)
-    start = restore(checkpoint_path, lm) if v["resume"] else 0
+    run = {
+        "config": v,
+        "batch_size": batch,
+        "updates": the_plan.updates,
+        "policy": policy_lib.get_policy().name,
+    }
+    start = restore(checkpoint_path, lm, run) if v["resume"] else 0
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
         import yaml
 
@@ -418,11 +464,15 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
     train_rows = the_plan.train
     per_epoch = len(train_rows) // batch // accumulation
     tokens_per_batch = train_rows.tokens_per_row * batch
+    history = _earlier(checkpoint_path, start) if v["resume"] else {}
+    records = history.setdefault("records", [])
+    evaluations = history.setdefault("evaluations", [])
     bar = progress.Progress(
         the_plan.updates, v["logging_steps"], accumulation, tokens_per_batch,
         schedule, first_update=start,
     )  # fmt: skip
-    checkpoints = Checkpoint(checkpoint_path, v, accumulation, start)
+    bar.records = records  # after the resumed run's
+    checkpoints = Checkpoint(checkpoint_path, run, accumulation, start, history)
     checkpoints.set_model(lm)  # it saves at the end, also if nothing was left
     monitor = LossScaleMonitor(
         log_dir=os.path.join(out, "logs"),
@@ -430,7 +480,6 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         plot_path=os.path.join(out, "loss_scale.png"),
         every_n_steps=v["logging_steps"] * accumulation,
     )
-    evaluations = []
     update = start
     step = batch * accumulation  # rows per update
     while update < the_plan.updates:
@@ -460,7 +509,15 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         if the_plan.held_out is not None and (due or update == the_plan.updates):
             evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
     checkpoints.save()
-    return {"records": bar.records, "evaluations": evaluations}
+    return history
+
+
+def _earlier(path: str, start: int) -> dict[str, list]:
+    """The progress records and evaluations of the run that the checkpoint
+    at `path` (written at update `start`) holds."""
+    with np.load(path) as saved:
+        history = json.loads(str(saved["history"]))
+    return {k: [r for r in rows if r["update"] <= start] for k, rows in history.items()}
 
 
 def evaluate(lm: Any, held: data.Tokens, batch: int, update: int) -> dict[str, float]:
@@ -479,11 +536,10 @@ def finetune(config: Any, dry_run: bool = False) -> int:
     print(the_plan)
     if dry_run:
         return 0
-    v = config.values
+    path = os.path.join(config["output_dir"], CHECKPOINT)
     try:
-        metrics = train(config, the_plan)
+        _train_and_save(config, the_plan, checked)
     except KeyboardInterrupt:
-        path = os.path.join(v["output_dir"], CHECKPOINT)
         where = (
             f"the last checkpoint is {path}, at update {_update_in(path)}; "
             "resume: true continues from it"
@@ -492,16 +548,24 @@ def finetune(config: Any, dry_run: bool = False) -> int:
         )
         print(f"\nkmp finetune: interrupted; {where}.", file=sys.stderr)
         return 130
+    return 0
+
+
+def _train_and_save(config: Any, the_plan: Plan, checked: Checked) -> None:
+    """Trains, then writes the adapters (or the preset), the merged preset
+    and metrics.json, and prints where."""
+    v = config.values
+    metrics = train(config, the_plan)
     out, lm = v["output_dir"], the_plan.lm
     lm.preprocessor = the_plan.preprocessor
     if v["method"] == "lora":
         saved = os.path.join(out, "adapter.lora.h5")
         lm.backbone.save_lora_weights(saved)
-    else:
+        if v["merge"]:
+            lm.save_to_preset(os.path.join(out, "merged"))
+    else:  # the whole model: nothing to merge
         saved = os.path.join(out, "preset")
         lm.save_to_preset(saved)
-    if v["merge"]:
-        lm.save_to_preset(os.path.join(out, "merged"))
     tensors = machine.tensors_peak_mb()
     metrics.update(
         policy=checked.policy,
@@ -523,7 +587,6 @@ def finetune(config: Any, dry_run: bool = False) -> int:
         f"{metrics['peak_memory_gib']:.2f} GiB; skipped steps "
         f"{metrics['skipped_steps']}"
     )
-    return 0
 
 
 def _scale(optimizer: Any) -> float | None:
