@@ -10,6 +10,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp.backend import live_tensors
 from kmp.precision import traversal
 
 # The layers `lora.targets: all-linear` puts adapters on.
@@ -37,22 +38,14 @@ class Sizes:
         return cls(
             trainable=count(model.trainable_weights),
             total=base + adapters,
-            weights_bytes=_bytes(model.weights),
-            gradients_bytes=_bytes(model.trainable_weights),
+            weights_bytes=live_tensors.nbytes(model.weights),
+            gradients_bytes=live_tensors.nbytes(model.trainable_weights),
         )
 
 
 def count(variables) -> int:
     """The number of values `variables` hold."""
     return sum(int(np.prod(v.shape)) for v in variables)
-
-
-def _bytes(variables) -> int:
-    return sum(
-        int(np.prod(v.shape))
-        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-        for v in variables
-    )
 
 
 def load(preset: str) -> Any:
