@@ -196,7 +196,6 @@ def run_one(
     `imports` are modules imported first (those that register a saved
     model's own layer classes)."""
     import importlib
-    import resource
 
     import keras
 
@@ -243,7 +242,7 @@ def run_one(
     return {
         "policy": f"keras:{policy}" if plain_keras else policy,
         "step_ms": [1000 * t for t in timed],
-        "peak_host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_host_rss_mb": _runs.process_peak_mb(),
         "peak_gpu_mb": gpu_peak,
         "peak_tensors_mb": _runs.tensors_peak_mb(),
         "final_loss": float(history.history["loss"][-1]),

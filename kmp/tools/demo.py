@@ -109,7 +109,6 @@ def build_model(name: str):
 
 def train_one(model_name: str, policy: str, epochs: int) -> dict:
     """Trains in this process under `policy`; returns the run as a dict."""
-    import resource
 
     import keras
     import numpy as np
@@ -161,9 +160,7 @@ def train_one(model_name: str, policy: str, epochs: int) -> dict:
     return {
         "policy": kmp.get_policy().name,
         "median_step_ms": round(1000 * float(np.median(times[5:] or times)), 3),
-        "peak_host_rss_mb": round(
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
-        ),
+        "peak_host_rss_mb": round(_runs.process_peak_mb(), 1),
         "val_accuracy": round(float(h["val_accuracy"][-1]), 4),
         "loss_scale_min": min(scales) if scaled and scales else None,
         "loss_scale_max": max(scales) if scaled and scales else None,

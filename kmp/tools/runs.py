@@ -1,6 +1,7 @@
 """Measured training runs: a step timer, and running a function in a fresh
 Python process (so that each run's memory, graphs and TensorFlow settings
-are its own). Shared by `kmp bench` and `kmp demo`."""
+are its own), and the peaks of its memory. Shared by `kmp bench`, `kmp
+demo` and `kmp finetune`."""
 
 from __future__ import annotations
 
@@ -65,6 +66,14 @@ def in_fresh_process(
             result.stderr or "",
         )
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def process_peak_mb() -> float:
+    """The peak resident memory of this process so far, in MiB (Linux's
+    `ru_maxrss`, in KiB): TensorFlow's runtime included."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def tensors_peak_mb() -> float | None:

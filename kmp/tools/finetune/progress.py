@@ -5,13 +5,13 @@ second and peak memory, and the same values kept for the run's metrics."""
 from __future__ import annotations
 
 import math
-import resource
 import time
 from typing import Any
 
 import keras
 
 from kmp.backend import machine
+from kmp.tools import runs
 
 
 @keras.saving.register_keras_serializable(package="kmp_finetune")
@@ -61,12 +61,28 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
-def process_peak_gib() -> float:
-    """The process's peak resident memory so far, in GiB (Linux: KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+class Updates(keras.callbacks.Callback):
+    """Counts the run's updates, one per `accumulation` batches from
+    `start`, and calls `on_update(logs)` at each (`self.update` is its
+    number)."""
+
+    def __init__(self, accumulation: int, start: int = 0):
+        super().__init__()
+        self.accumulation = accumulation
+        self.update = start
+        self._batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.accumulation == 0:
+            self.update += 1
+            self.on_update(logs if logs is not None else {})
+
+    def on_update(self, logs: dict) -> None:
+        """Called at the end of each update, with the batch logs."""
 
 
-class Progress(keras.callbacks.Callback):
+class Progress(Updates):
     """A progress bar of updates, printed as a line every `logging_steps`
     updates (so that it reads the same in a terminal and in a log file).
 
@@ -97,15 +113,12 @@ class Progress(keras.callbacks.Callback):
         schedule: WarmupSchedule,
         first_update: int = 0,
     ):
-        super().__init__()
+        super().__init__(accumulation, first_update)
         self.schedule = schedule
         self.total = total
         self.logging_steps = logging_steps
-        self.accumulation = accumulation
         self.tokens_per_batch = tokens_per_batch
-        self.update = first_update
         self.records: list[dict[str, float]] = []
-        self._batches = 0
         self._since = self._began = time.perf_counter()
         self._tokens = 0.0
         self._first = first_update
@@ -115,14 +128,12 @@ class Progress(keras.callbacks.Callback):
         self._since, self._tokens = time.perf_counter(), 0.0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batches += 1
         self._tokens += self.tokens_per_batch
-        if self._batches % self.accumulation:
-            return
-        self.update += 1
+        super().on_train_batch_end(batch, logs)
+
+    def on_update(self, logs: dict) -> None:
         if self.update % self.logging_steps and self.update != self.total:
             return
-        logs = logs if logs is not None else {}
         now = time.perf_counter()
         record = {"update": self.update}
         for name in ("loss", "accuracy"):
@@ -134,7 +145,7 @@ class Progress(keras.callbacks.Callback):
             if name in logs:
                 record[name] = float(logs[name])
         record["tokens_per_second"] = self._tokens / max(now - self._since, 1e-9)
-        record["memory_gib"] = process_peak_gib()
+        record["memory_gib"] = runs.process_peak_mb() / 1024
         tensors = machine.tensors_peak_mb()
         if tensors is not None:
             record["tensors_mib"] = tensors

@@ -32,6 +32,7 @@ from kmp.diagnostics.monitor import LossScaleMonitor
 from kmp.optimizers import adam as kmp_adam
 from kmp.precision import policy as policy_lib
 from kmp.tools import bench
+from kmp.tools import runs
 from kmp.tools.finetune import data
 from kmp.tools.finetune import model as model_lib
 from kmp.tools.finetune import progress
@@ -150,7 +151,7 @@ def _saved_variables(lm: Any) -> list:
     ]
 
 
-class Checkpoint(keras.callbacks.Callback):
+class Checkpoint(progress.Updates):
     """Writes `output_dir/checkpoint.npz` every `save_steps` updates: the
     values of the variables training changes and of the optimizer's, and
     the update reached. The file is replaced whole (written beside, then
@@ -164,20 +165,13 @@ class Checkpoint(keras.callbacks.Callback):
         start: int,
         history: dict[str, list],
     ):
-        super().__init__()
+        super().__init__(accumulation, start)
         self.path = path
         self.run = run
         self.history = history  # the progress records and evaluations so far
         self.save_steps = run["config"]["save_steps"]
-        self.accumulation = accumulation
-        self.update = start
-        self._batches = 0
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batches += 1
-        if self._batches % self.accumulation:
-            return
-        self.update += 1
+    def on_update(self, logs: dict) -> None:
         if self.save_steps and self.update % self.save_steps == 0:
             self.save()
 
@@ -282,6 +276,7 @@ class Plan:
     train: data.Tokens
     held_out: data.Tokens | None
     batch_size: int
+    per_epoch: int  # updates per epoch: whole windows of batches
     updates: int
     estimate_mb: float | None
 
@@ -414,7 +409,10 @@ def plan(config: Any, checked: Checked) -> Plan:
         if estimate
         else "  memory estimate: not measured (it reads TensorFlow's tensors)"
     )
-    return Plan(lines, lm, preprocessor, train, held_out, batch, updates, estimate_mb)
+    return Plan(
+        lines, lm, preprocessor, train, held_out, batch, per_epoch, updates,
+        estimate_mb,
+    )  # fmt: skip
 
 
 def _order(n: int, batch: int, seed: int, epoch: int) -> np.ndarray:
@@ -462,7 +460,7 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
 
         yaml.safe_dump(config.nested(), f, sort_keys=False)
     train_rows = the_plan.train
-    per_epoch = len(train_rows) // batch // accumulation
+    per_epoch = the_plan.per_epoch
     tokens_per_batch = train_rows.tokens_per_row * batch
     history = _earlier(checkpoint_path, start) if v["resume"] else {}
     records = history.setdefault("records", [])
@@ -569,7 +567,7 @@ def _train_and_save(config: Any, the_plan: Plan, checked: Checked) -> None:
     tensors = machine.tensors_peak_mb()
     metrics.update(
         policy=checked.policy,
-        peak_memory_gib=progress.process_peak_gib(),
+        peak_memory_gib=runs.process_peak_mb() / 1024,
         peak_tensors_mib=tensors,
         estimate_mib=the_plan.estimate_mb,
         loss_scale=_scale(lm.optimizer),
