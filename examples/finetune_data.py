@@ -52,24 +52,32 @@ def records(n: int, rng) -> list[dict]:
     return out
 
 
-# Per architecture: the task's classes and the names of the tokenizer's
-# start and end pieces.
+# Per architecture: the task's classes, the names of the tokenizer's start
+# and end pieces, and the words of its chat format (Gemma's, as its own
+# tokenizer holds them).
 ARCHS = {
-    "llama": ("Llama", "<s>", "</s>"),
-    "gemma": ("Gemma", "<bos>", "<eos>"),
+    "llama": ("Llama", "<s>", "</s>", ()),
+    "gemma": ("Gemma", "<bos>", "<eos>", ("<start_of_turn>", "<end_of_turn>")),
 }
 
 
 def tokenizer(arch: str = "llama"):
-    """A SentencePiece tokenizer whose pieces are the task's words."""
-    name, start, end = ARCHS[arch]
-    words = [*LETTERS, "step", "from", *STEPS]
+    """A SentencePiece tokenizer whose pieces are the task's words.
+
+    Llama's is a word model: one piece per word. Gemma's is BPE, as Gemma's
+    own is, so that its chat words split off the words they touch
+    ("<start_of_turn>user"); it has room to merge each task word whole.
+    """
+    name, start, end, turns = ARCHS[arch]
+    words = [*LETTERS, "step", "from", *STEPS] + ["user", "model"] * bool(turns)
     proto = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter([" ".join(words)] * 20),
         model_writer=proto,
-        vocab_size=len(words) + 4,  # and <pad>, <unk>, <s>, </s>
-        model_type="word",
+        # The words and <pad>, <unk>, <s>, </s>; for BPE, room for merges.
+        vocab_size=80 if turns else len(words) + 4,
+        user_defined_symbols=list(turns),
+        model_type="bpe" if turns else "word",
         pad_id=0,
         unk_id=1,
         bos_id=2,
@@ -89,6 +97,7 @@ def make_preset(
     num_layers: int = 1,
     steps: int = 150,
     seed: int = 0,
+    key_value_heads: int = 2,
 ) -> None:
     """A small Llama or Gemma that learned the base task, saved as a preset."""
     keras.utils.set_random_seed(seed)
@@ -99,7 +108,7 @@ def make_preset(
         vocabulary_size=tok.vocabulary_size(),
         num_layers=num_layers,
         num_query_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=key_value_heads,
         hidden_dim=hidden_dim,
         intermediate_dim=2 * hidden_dim,
     )

@@ -179,10 +179,10 @@ KEYS = (
     Key(
         "data.template",
         "plain",
-        "choice",
+        "template",
         "how a record becomes text: plain ('{prompt}\\n{response}'; a chat "
-        "as 'role: content' lines)",
-        choices=("plain",),
+        "as 'role: content' lines), preset (the checkpoint's chat template), "
+        "or the path of a Jinja chat template",
     ),
     Key(
         "data.max_length",
@@ -488,8 +488,13 @@ def _check_value(key: Key, value: Any) -> str | None:
             )
         ):
             expected = "'all-linear', 'default' or a list of layer names"
-    elif not isinstance(value, str) or not value:  # str, size, dir, file
-        expected = {"dir": "a path", "file": "a path", "size": "a size such as '4G'"}
+    elif not isinstance(value, str) or not value:  # str, size, dir, file, template
+        expected = {
+            "dir": "a path",
+            "file": "a path",
+            "size": "a size such as '4G'",
+            "template": "plain, preset or the path of a Jinja chat template",
+        }
         expected = expected.get(key.kind, "a string")
     if expected:
         return f"{key.name}: expected {expected}; got {value!r}."
@@ -557,6 +562,12 @@ def _check_paths(v: dict[str, Any]) -> list[str]:
     for name in ("data.train", "data.eval"):
         if v[name]:
             problems += check_jsonl(name, v[name])
+    template = v["data.template"]
+    if template not in ("plain", "preset") and not os.path.isfile(template):
+        problems.append(
+            f"data.template: expected plain, preset or the path of a Jinja chat "
+            f"template; got {template!r}, which is no file."
+        )
     problems += _check_output(v["output_dir"], v["resume"])
     return problems
 

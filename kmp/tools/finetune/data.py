@@ -6,13 +6,15 @@ A record is `{"prompt": ..., "response": ...}` or a chat,
 writes a prompt/response pair as `prompt\\n` then `response`, and a chat as
 one `role: content` line per message. The model learns the response (each
 assistant message's content, in a chat) and the end token after it; the
-prompt's tokens are inputs only (their sample weight is 0).
+prompt's tokens are inputs only (their sample weight is 0). A chat template
+(`template.ChatTemplate`) writes the text, its start and end tokens too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -72,6 +74,7 @@ def tokenize(
     max_length: int,
     start: int | None,
     end: int | None,
+    template: Any = None,
 ) -> Tokens:
     """Token arrays of `records`, padded to the longest one (at most
     `max_length` tokens; longer ones are cut at the end).
@@ -82,10 +85,16 @@ def tokenize(
         max_length: Tokens per row the model takes, at most.
         start: The token id put first, or None.
         end: The token id put after a learned last piece, or None.
+        template: A `ChatTemplate`, or None for the plain template. The
+            tokenizer's special tokens in its text become their ids.
     """
-    split = [pieces(r) for r in records]
+    if template is None:
+        split, special = [pieces(r) for r in records], []
+    else:
+        split = [template.pieces(r) for r in records]
+        special = [t for t in tokenizer.special_tokens if t]
     texts = [text for p in split for text, _ in p]
-    ids = iter(_token_lists(tokenizer, texts))
+    ids = iter(_piece_ids(tokenizer, texts, special))
     rows, learn = [], []
     for p in split:
         row = [] if start is None else [start]
@@ -116,8 +125,32 @@ def tokenize(
     )
 
 
+def _piece_ids(tokenizer: Any, texts: list[str], special: list[str]) -> list[list[int]]:
+    """Each text's token ids; a special token written in it is its own id."""
+    if not special:
+        return _token_lists(tokenizer, texts)
+    # Longest first, so that no token is split at a shorter one it starts with.
+    names = sorted(special, key=len, reverse=True)
+    pattern = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+    parts = [pattern.split(text) for text in texts]  # specials at odd places
+    words = [w for p in parts for w in p[::2] if w]
+    lists = iter(_token_lists(tokenizer, words))
+    out = []
+    for p in parts:
+        ids: list[int] = []
+        for i, part in enumerate(p):
+            if i % 2:
+                ids.append(int(tokenizer.token_to_id(part)))
+            elif part:
+                ids += next(lists)
+        out.append(ids)
+    return out
+
+
 def _token_lists(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Each text's token ids, as Python lists."""
+    if not texts:
+        return []
     out = tokenizer(texts)
     if hasattr(out, "to_list"):  # a tf.RaggedTensor
         out = out.to_list()

@@ -36,9 +36,13 @@ from kmp.tools import runs
 from kmp.tools.finetune import data
 from kmp.tools.finetune import model as model_lib
 from kmp.tools.finetune import progress
+from kmp.tools.finetune import template as template_lib
 from kmp.training import compile as compile_lib
 
 CHECKPOINT = "checkpoint.npz"
+# At most this many records a chat template fails on are listed per file,
+# as the config lists bad lines.
+MAX_LISTED = 5
 # Keys a resumed run may change: they do not change what it trains.
 MAY_CHANGE_ON_RESUME = (
     "resume",
@@ -57,6 +61,7 @@ class Checked:
     policy: str
     reason: str
     budget_mb: float | None
+    template: template_lib.ChatTemplate | None  # None: the plain template
 
 
 def check(config: Any) -> Checked:
@@ -99,8 +104,60 @@ def check(config: Any) -> Checked:
     path = os.path.join(str(values["output_dir"]), CHECKPOINT)
     if values["resume"] is True and os.path.isfile(path):
         problems += _changed_since(path, values)
+    template = None
+    if values["data.template"] != "plain" and not config.problems:
+        template = _chat_template(values, problems)
     config.check(problems)
-    return Checked(policy, reason, budget)
+    return Checked(policy, reason, budget, template)
+
+
+def _chat_template(
+    values: dict[str, Any], problems: list[str]
+) -> template_lib.ChatTemplate | None:
+    """The chat template `data.template` names, compiled, once it renders
+    every record; else None, with what is wrong added to `problems`."""
+    try:
+        import jinja2
+    except ImportError as e:
+        raise ImportError(
+            "data.template: chat templates are rendered with Jinja, which is not "
+            "installed. Fix: pip install 'kmp[finetune]'."
+        ) from e
+    import keras_hub
+
+    try:
+        source = template_lib.read(values["model"], values["data.template"])
+        tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(values["model"])
+        names = {"bos_token": "start_token", "eos_token": "end_token"}
+        names.update(pad_token="pad_token", unk_token="unk_token")
+        tokens = {k: getattr(tokenizer, a, None) for k, a in names.items()}
+        chat = template_lib.ChatTemplate(
+            source, {k: t for k, t in tokens.items() if t is not None}
+        )
+    except jinja2.TemplateSyntaxError as e:
+        problems.append(
+            f"data.template: not a valid Jinja template: {e.message} (line "
+            f"{e.lineno}). Fix: mend it, or data.template: plain."
+        )
+        return None
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+    failed = False
+    for path in filter(None, (values["data.train"], values["data.eval"])):
+        bad = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        chat.pieces(json.loads(line))
+                    except (ValueError, TypeError, jinja2.TemplateError) as e:
+                        bad.append(f"{path}:{number}: the chat template failed: {e}")
+        problems += bad[:MAX_LISTED]
+        if len(bad) > MAX_LISTED:
+            problems.append(f"{path}: {len(bad) - MAX_LISTED} more records fail.")
+        failed = failed or bool(bad)
+    return None if failed else chat
 
 
 def _changed_since(path: str, values: dict[str, Any]) -> list[str]:
@@ -278,10 +335,15 @@ class Plan:
     batch_size: int
     per_epoch: int  # updates per epoch: whole windows of batches
     updates: int
-    estimate_mb: float | None
+    estimate: memory.MemoryEstimate | None
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
+
+    @property
+    def estimate_mb(self) -> float | None:
+        """The estimated peak of tensors at the run's batch size."""
+        return self.estimate.total_mb(self.batch_size) if self.estimate else None
 
 
 def auto_batch(estimate: memory.MemoryEstimate, budget_mb: float, given: str) -> int:
@@ -342,27 +404,31 @@ def plan(config: Any, checked: Checked) -> Plan:
     else:
         lines.append("  method: full fine-tuning (every weight trains)")
     tokenizer = preprocessor.tokenizer
-    start = end = None
-    if getattr(preprocessor, "add_start_token", True):
+    start = end = None  # a chat template writes its own
+    if checked.template is None and getattr(preprocessor, "add_start_token", True):
         start = tokenizer.start_token_id
-    if getattr(preprocessor, "add_end_token", True):
+    if checked.template is None and getattr(preprocessor, "add_end_token", True):
         end = tokenizer.end_token_id
-    tokens = data.tokenize(
-        data.read_jsonl(v["data.train"]), tokenizer, v["data.max_length"], start, end
-    )
-    if v["data.eval"]:
-        held_out = data.tokenize(
-            data.read_jsonl(v["data.eval"]), tokenizer, v["data.max_length"],
-            start, end,
+
+    def tokenize(path: str) -> data.Tokens:
+        return data.tokenize(
+            data.read_jsonl(path), tokenizer, v["data.max_length"], start, end,
+            checked.template,
         )  # fmt: skip
+
+    tokens = tokenize(v["data.train"])
+    if v["data.eval"]:
+        held_out = tokenize(v["data.eval"])
         train = tokens
     else:
         train, held_out = data.split(tokens, v["data.eval_fraction"], v["seed"])
     sizes = model_lib.Sizes.of(lm, base)
     schedule_stub = progress.WarmupSchedule(v["optimizer.learning_rate"], 1, 0)
     optimizer = _optimizer(v, schedule_stub)
-    estimate = None
-    if keras.backend.backend() == "tensorflow":
+    checkpoint = os.path.join(v["output_dir"], CHECKPOINT)
+    estimate = _estimate_in(checkpoint) if v["resume"] else None
+    measured = estimate is None
+    if measured and keras.backend.backend() == "tensorflow":
         sample = train.x
 
         def make_inputs(n: int) -> dict[str, np.ndarray]:
@@ -393,9 +459,11 @@ def plan(config: Any, checked: Checked) -> Plan:
         + (f", optimizer state {_mib(optimizer_bytes)}" if optimizer_bytes else "")
     )
     held = f", {len(held_out)} held out" if held_out is not None else ""
+    template = {"plain": "the plain template", "preset": "the preset's chat template"}
     lines.append(
         f"  data: {len(train)} sequences{held}, {train.token_ids.shape[1]} tokens "
-        f"each at most ({train.tokens_per_row:.0f} on average)"
+        f"each at most ({train.tokens_per_row:.0f} on average), written by "
+        + template.get(v["data.template"], f"the chat template {v['data.template']}")
     )
     lines.append(
         f"  batch: {batch}"
@@ -406,13 +474,22 @@ def plan(config: Any, checked: Checked) -> Plan:
     estimate_mb = estimate.total_mb(batch) if estimate else None
     lines.append(
         f"  memory estimate: {estimate_mb:,.1f} MiB of tensors at the peak"
+        + ("" if measured else " (measured when the run began)")
         if estimate
         else "  memory estimate: not measured (it reads TensorFlow's tensors)"
     )
     return Plan(
         lines, lm, preprocessor, train, held_out, batch, per_epoch, updates,
-        estimate_mb,
+        estimate,
     )  # fmt: skip
+
+
+def _estimate_in(path: str) -> memory.MemoryEstimate | None:
+    """The memory estimate the run that wrote the checkpoint at `path`
+    measured (the same model and config), or None."""
+    with np.load(path) as saved:
+        fields = json.loads(str(saved["run"])).get("estimate")
+    return memory.MemoryEstimate(**fields) if fields else None
 
 
 def _order(n: int, batch: int, seed: int, epoch: int) -> np.ndarray:
@@ -453,6 +530,7 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         "batch_size": batch,
         "updates": the_plan.updates,
         "policy": policy_lib.get_policy().name,
+        "estimate": the_plan.estimate and dataclasses.asdict(the_plan.estimate),
     }
     start = restore(checkpoint_path, lm, run) if v["resume"] else 0
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
@@ -478,6 +556,20 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         plot_path=os.path.join(out, "loss_scale.png"),
         every_n_steps=v["logging_steps"] * accumulation,
     )
+
+    def evaluation_due(update: int) -> bool:
+        if the_plan.held_out is None:
+            return False
+        every = v["eval_steps"] or per_epoch
+        return update % every == 0 or update == the_plan.updates
+
+    if (
+        start
+        and evaluation_due(start)
+        and all(e["update"] != start for e in evaluations)
+    ):
+        # The run stopped after its checkpoint, before this evaluation.
+        evaluations.append(evaluate(lm, the_plan.held_out, batch, start))
     update = start
     step = batch * accumulation  # rows per update
     while update < the_plan.updates:
@@ -499,12 +591,7 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
             callbacks=[bar, checkpoints, monitor],
         )
         update = stop
-        due = (
-            update % v["eval_steps"] == 0
-            if v["eval_steps"]
-            else update % per_epoch == 0
-        )
-        if the_plan.held_out is not None and (due or update == the_plan.updates):
+        if evaluation_due(update):
             evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
     checkpoints.save()
     return history
