@@ -62,14 +62,16 @@ ARCHS = {
 
 
 def tokenizer(arch: str = "llama"):
-    """A SentencePiece tokenizer whose pieces are the task's words.
+    """A SentencePiece tokenizer trained on the task's words.
 
     Llama's is a word model: one piece per word. Gemma's is BPE, as Gemma's
     own is, so that its chat words split off the words they touch
     ("<start_of_turn>user"); it has room to merge each task word whole.
     """
     name, start, end, turns = ARCHS[arch]
-    words = [*LETTERS, "step", "from", *STEPS] + ["user", "model"] * bool(turns)
+    words = [*LETTERS, "step", "from", *STEPS]
+    if turns:
+        words += ["user", "model"]  # the roles Gemma's chat format writes
     proto = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter([" ".join(words)] * 20),

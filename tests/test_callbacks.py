@@ -184,6 +184,18 @@ def test_monitor_every_n_steps_counts_the_skips_in_between():
     assert [r.skipped for r in monitor.records] == [4, 4]
 
 
+def test_a_resumed_runs_monitor_counts_on_from_its_initial_step():
+    model = blown_model(1e6)
+    x, y = data(256)
+    monitor = LossScaleMonitor(every_n_steps=4, initial_step=6)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    # Steps 7 to 14: a record where the count passes 8 and 12, and the tail.
+    assert [r.step for r in monitor.records] == [8, 12, 14]
+    assert [r.skipped for r in monitor.records] == [2, 4, 2]
+    with pytest.raises(ValueError, match=r"initial_step must be .* Received: -1\."):
+        LossScaleMonitor(initial_step=-1)
+
+
 def test_monitor_without_kmp_optimizer_logs_loss_and_says_so_once(caplog):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")

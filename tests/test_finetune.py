@@ -246,6 +246,24 @@ def test_the_example_learns_and_a_resumed_run_ends_where_one_run_does(
         [e["eval_loss"] for e in metrics["evaluations"]],
         rtol=1e-4,
     )
+    # TensorBoard counts batches on from the first run's, as one run does.
+    from tensorboard.backend.event_processing import event_accumulator
+
+    def steps(logs: pathlib.Path) -> dict[str, list[int]]:
+        events = event_accumulator.EventAccumulator(str(logs))
+        events.Reload()
+        return {
+            tag: [e.step for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]
+        }
+
+    first, again = steps(whole / "logs"), steps(cut / "logs")
+    assert again["finetune/learning_rate"] == first["finetune/learning_rate"]
+    assert first["finetune/learning_rate"] == [10, 20, 30, 40, 50, 60]
+    assert again["finetune/eval_loss"] == [20, 40, 60]
+    assert again["finetune/memory_gib"] == first["finetune/memory_gib"]
+    resumed_at = again["kmp/loss"].index(10) + 1  # the first run's last record
+    assert again["kmp/loss"][resumed_at:] == [30, 40, 50, 60]
     one, two = (
         lora_weights(whole / "adapter.lora.h5"),
         lora_weights(cut / "adapter.lora.h5"),
@@ -342,11 +360,20 @@ class SpecialWordTokenizer(WordTokenizer):
         return self.special_tokens.index(token) + 1
 
 
-def test_a_chat_template_marks_each_assistant_turn_and_its_end_to_learn():
-    from kmp.tools.finetune import data
+def compiled(text: str, **special_tokens: str):
+    """A chat template of `text`, as `kmp finetune` compiles one."""
+    import datetime
+
     from kmp.tools.finetune import template
 
-    chat = template.ChatTemplate(CHATML, {})
+    source = template.Source(text, "chat_template.jinja")
+    return template.ChatTemplate(source, special_tokens, datetime.datetime(2026, 1, 2))
+
+
+def test_a_chat_template_marks_each_assistant_turn_and_its_end_to_learn():
+    from kmp.tools.finetune import data
+
+    chat = compiled(CHATML)
     turns = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hi"},
@@ -381,13 +408,26 @@ def test_a_chat_template_marks_each_assistant_turn_and_its_end_to_learn():
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
-    from kmp.tools.finetune import template
-
-    backwards = template.ChatTemplate(
-        "{% for m in messages|reverse %}{{ m.content }}\n{% endfor %}", {}
-    )
-    with pytest.raises(ValueError, match="the text to learn cannot be found"):
+    backwards = compiled("{% for m in messages|reverse %}{{ m.content }}\n{% endfor %}")
+    with pytest.raises(ValueError) as raised:
         backwards.pieces({"prompt": "hi", "response": "yo"})
+    assert str(raised.value).startswith(
+        "the chat template writes messages[1] after its prompt so that the text "
+        "before it changes: expected it to go on from 'hi\\n', got 'yo\\nhi\\n' there."
+    )
+    with pytest.raises(ValueError, match=r"^messages\[0\]: a chat template writes"):
+        compiled(CHATML).pieces({"messages": [{"role": "assistant", "content": "yo"}]})
+
+
+def test_a_template_writes_the_same_date_all_run_long():
+    dated = compiled(
+        "{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m.content }}"
+        "{% endfor %}"
+    )
+    assert dated.pieces({"prompt": "hi", "response": "yo"}) == [
+        ("02 Jan 2026hi", False),
+        ("yo", True),
+    ]
 
 
 # Gemma's chat template, as its Hugging Face checkpoints carry it.
@@ -420,7 +460,7 @@ def test_a_chat_template_that_fails_is_named_before_the_model_loads(tmp_path, ma
     assert "carries no chat template (KerasHub presets carry none;" in none
     broken = write(tmp_path / "broken.jinja", "{% for m in messages %}{{ m }}")
     [syntax] = problems("--data.template", broken)
-    assert syntax.startswith("data.template: not a valid Jinja template: ")
+    assert syntax.startswith(f"data.template: {broken} is not a valid Jinja template")
     chats = write(
         tmp_path / "chats.jsonl",
         '{"prompt": "hi", "response": "yo"}\n'
@@ -436,6 +476,22 @@ def test_a_chat_template_that_fails_is_named_before_the_model_loads(tmp_path, ma
         failed % 3
         + "Conversation roles must alternate user/assistant/user/assistant/...",
     ]
+    # Resumed with another template than the checkpoint's run had.
+    out = tmp_path / "resumed"
+    out.mkdir()
+    argv = flags(made, out, "--data.template", gemma)
+    before = finetune_config.read(kmp_cli.build_parser().parse_args(argv)).values
+    then = {"sha256": "0" * 64, "time": "2026-01-02T00:00:00"}
+    saved = json.dumps({"config": before, "template": then})
+    np.savez(out / "checkpoint.npz", run=np.asarray(saved))
+    argv += ["--resume", "true"]
+    config = finetune_config.read(kmp_cli.build_parser().parse_args(argv))
+    with pytest.raises(finetune_config.ConfigError) as raised:
+        run.check(config)
+    [changed] = raised.value.problems
+    assert f"resume: the chat template ({gemma}) is not the one the checkpoint" in (
+        changed
+    )
 
 
 @pytest.mark.slow
@@ -443,6 +499,8 @@ def test_a_hugging_face_checkpoint_trains_on_its_own_chat_template(tmp_path, cap
     """A Gemma checkpoint in Hugging Face's format (as KerasHub exports one,
     with the config's `architectures` and Gemma's chat template added)
     fine-tunes on its template's text: the response and <end_of_turn>."""
+    from datetime import datetime
+
     import keras_hub
 
     maker = runpy.run_path(str(ROOT / "examples" / "finetune_data.py"))
@@ -467,7 +525,22 @@ def test_a_hugging_face_checkpoint_trains_on_its_own_chat_template(tmp_path, cap
     assert kmp_cli.main(argv) == 0
     plan = capsys.readouterr().out
     assert "(GemmaCausalLM, " in plan
-    assert "(19 on average), written by the preset's chat template\n" in plan
+    assert "written by the preset's chat template\n" in plan
+    # What it learned: the response and the turn's end marker.
+    from kmp.tools.finetune import data
+    from kmp.tools.finetune import template
+
+    tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(str(hf))
+    chat = template.ChatTemplate(
+        template.read(str(hf), "preset"), {"bos_token": "<bos>"}, datetime.now()
+    )
+    pair = {"prompt": "step two from c", "response": "e g i k"}
+    rows = data.tokenize([pair], tokenizer, 64, None, None, chat)
+    learned = rows.y[0][rows.sample_weight[0] == 1]
+    assert [tokenizer.id_to_token(int(i)) for i in learned][:5] == [
+        "▁e", "▁g", "▁i", "▁k", "<end_of_turn>",
+    ]  # fmt: skip
+    assert rows.token_ids[0, 0] == tokenizer.start_token_id  # <bos>, one id
     metrics = json.loads((out / "metrics.json").read_text())
     first, last = metrics["records"][0], metrics["records"][-1]
     assert last["loss"] < first["loss"]
@@ -504,6 +577,20 @@ def test_the_learning_rate_warms_up_then_decays():
     assert rates("linear")[6] == pytest.approx(0.5)
     assert rates("constant")[10] == 1.0
     assert rates("cosine", accumulation=4) == cosine  # counted in updates
+
+
+def test_the_learning_rate_shown_is_the_optimizers_after_skipped_steps(capsys):
+    from kmp.tools.finetune import progress
+
+    # Warmup over 4 updates of 2 micro-batches: 0.25, 0.5, 0.75, 1.0.
+    schedule = progress.WarmupSchedule(1.0, 10, 4, "cosine", accumulation=2)
+    bar = progress.Progress(10, 1, 2, 1.0, schedule)
+    # Micro-batches 2 and 3 overflow and are skipped: the optimizer applies
+    # no update in the second window, so its learning rate stays at 0.25.
+    for batch, skipped in enumerate([0, 0, 1, 2, 2, 2]):
+        bar.on_train_batch_end(batch, {"loss": 1.0, "skipped_steps_total": skipped})
+    assert [r["learning_rate"] for r in bar.records] == [0.25, 0.25, 0.5]
+    assert "lr 2.50e-01 · skipped 2" in capsys.readouterr().out
 
 
 def test_auto_batch_is_the_largest_the_estimate_fits():

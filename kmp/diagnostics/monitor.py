@@ -75,6 +75,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         plot_path: PNG file to write at the end of training, or None.
         every_n_steps: Record every N train steps (skips in between are
             counted, not lost).
+        initial_step: The train steps made before this monitor's first
+            `fit`, as in a resumed run: its records count on from there.
         underflow_sample: `(x, y)` or `(x, y, sample_weight)`: a batch to
             measure gradient underflow on at each epoch's end, or None (on
             Keras's TensorFlow backend: the measure reads its tape).
@@ -109,6 +111,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         plot_path: str | os.PathLike | None = None,
         every_n_steps: int = 1,
         underflow_sample: tuple | None = None,
+        initial_step: int = 0,
     ):
         super().__init__()
         if (
@@ -118,6 +121,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         ):
             raise ValueError(
                 f"every_n_steps must be an integer >= 1. Received: {every_n_steps!r}."
+            )
+        if (
+            isinstance(initial_step, bool)
+            or not isinstance(initial_step, int)
+            or initial_step < 0
+        ):
+            raise ValueError(
+                f"initial_step must be an integer >= 0. Received: {initial_step!r}."
             )
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         self.csv_path = os.fspath(csv_path) if csv_path is not None else None
@@ -145,10 +156,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         records.check_paths(self.log_dir, self.csv_path, self.plot_path)
         self.records: list[records.StepRecord] = []
         self._writer: records.RecordWriter | None = None
-        self._step = 0  # train steps completed, over every fit
-        self._epoch_start = 0
+        self._step = initial_step  # train steps completed, over every fit
+        self._epoch_start = initial_step
         self._epoch = 0
-        self._last_recorded = 0
+        self._last_recorded = initial_step
         self._last_total = 0
         self._last_logs: dict = {}
         self._warned = False

@@ -210,6 +210,41 @@ def _event_file(log_dir: str):
     return records
 
 
+class EventFile:
+    """A new TensorBoard event file in `log_dir`. Each `write` adds one
+    event: scalars (`simple_value`, which TensorBoard reads) and texts at a
+    step."""
+
+    def __init__(self, log_dir: str):
+        self._records = _event_file(log_dir)
+
+    def write(
+        self, step: int, values: list[tuple[str, float]], texts: list = ()
+    ) -> None:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.plugins.text import summary_v2 as text_summary
+
+        if not values and not texts:
+            return
+        summary = summary_pb2.Summary(
+            value=[
+                summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                for tag, value in values
+            ]
+        )
+        for tag, text in texts:
+            summary.value.extend(text_summary.text_pb(tag, text).value)
+        event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
+
+
 class RecordWriter:
     """Writes `StepRecord`s to TensorBoard (`log_dir`, scalars under `kmp/`)
     and a CSV file (`csv_path`, appended to; the header once), either or
@@ -221,7 +256,7 @@ class RecordWriter:
         self._csv = None
         self._row_at: int | None = None  # where the last CSV row starts
         if log_dir is not None:
-            self._writer = _event_file(log_dir)
+            self._writer = EventFile(log_dir)
         if csv_path is not None:
             new = not os.path.exists(csv_path) or not os.path.getsize(csv_path)
             self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
@@ -248,7 +283,7 @@ class RecordWriter:
                 texts.append(("kmp/overflow_layers", _sources_text(r)))
             if r.healed:
                 texts.append(("kmp/healed", "\n".join(r.healed)))
-            self._write_summaries(r.step, values, texts)
+            self._writer.write(r.step, values, texts)
         if self._csv is not None:
             self._row_at = self._csv_file.tell()
             self._write_row(r)
@@ -265,31 +300,11 @@ class RecordWriter:
             texts = []
             if r.healed != was.healed:
                 texts.append(("kmp/healed", "\n".join(r.healed)))
-            self._write_summaries(r.step, values, texts)
+            self._writer.write(r.step, values, texts)
         if self._csv is not None and self._row_at is not None:
             self._csv_file.seek(self._row_at)
             self._csv_file.truncate()
             self._write_row(r)
-
-    def _write_summaries(self, step: int, values: list, texts: list) -> None:
-        from tensorboard.compat.proto import event_pb2
-        from tensorboard.compat.proto import summary_pb2
-        from tensorboard.plugins.text import summary_v2 as text_summary
-
-        if not values and not texts:
-            return
-        # One event per step: `simple_value` scalars, which TensorBoard
-        # reads, and text summaries.
-        summary = summary_pb2.Summary(
-            value=[
-                summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                for tag, value in values
-            ]
-        )
-        for tag, text in texts:
-            summary.value.extend(text_summary.text_pb(tag, text).value)
-        event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
-        self._writer.write(event.SerializeToString())
 
     def _write_row(self, r: StepRecord) -> None:
         self._csv.writerow(

@@ -5,12 +5,14 @@ second and peak memory, and the same values kept for the run's metrics."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
 import keras
 
 from kmp.backend import machine
+from kmp.diagnostics import records as records_lib
 from kmp.tools import runs
 
 
@@ -91,7 +93,7 @@ class Progress(Updates):
     rate, the loss scale (under float16) and the skipped steps, tokens per
     second since the last line, and peak memory: the process's and the
     tensors' (where the backend counts them). Each line's values are kept
-    in `records`, and added to the batch logs.
+    in `records`, added to the batch logs, and written to TensorBoard.
 
     Args:
         total: The updates the run makes.
@@ -99,9 +101,13 @@ class Progress(Updates):
         accumulation: Batches per update.
         tokens_per_batch: The tokens (padding left out) a batch holds.
         schedule: The learning rate schedule (of the optimizer's
-            iterations), read here from the update count: on JAX, the
-            optimizer's own variables reach the host only at each epoch's end.
+            iterations), read here from the batches applied (those run, less
+            those skipped): on JAX, the optimizer's own variables reach the
+            host only at each epoch's end.
         first_update: The update the run starts after (when resumed).
+        log_dir: The TensorBoard log directory, or None. Values go under
+            `finetune/`, at the step of the batch that ends their update
+            (the steps `LossScaleMonitor` counts).
     """
 
     def __init__(
@@ -112,8 +118,13 @@ class Progress(Updates):
         tokens_per_batch: float,
         schedule: WarmupSchedule,
         first_update: int = 0,
+        log_dir: str | None = None,
     ):
         super().__init__(accumulation, first_update)
+        self._events = None
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            self._events = records_lib.EventFile(log_dir)
         self.schedule = schedule
         self.total = total
         self.logging_steps = logging_steps
@@ -139,7 +150,10 @@ class Progress(Updates):
         for name in ("loss", "accuracy"):
             if name in logs:
                 record[name] = float(logs[name])
-        lr = self.schedule((self.update - 1) * self.accumulation)
+        # The optimizer counts the micro-batches it applied: a skipped one
+        # (inf/NaN gradients) moves its schedule on no further.
+        applied = self.update * self.accumulation - logs.get("skipped_steps_total", 0)
+        lr = self.schedule(max(int(applied) - 1, 0))
         record["learning_rate"] = float(keras.ops.convert_to_numpy(lr))
         for name in ("loss_scale", "skipped_steps_total"):
             if name in logs:
@@ -150,9 +164,23 @@ class Progress(Updates):
         if tensors is not None:
             record["tensors_mib"] = tensors
         self.records.append(record)
-        logs.update({k: v for k, v in record.items() if k != "update"})
+        values = {k: v for k, v in record.items() if k != "update"}
+        logs.update(values)
+        self.log(self.update, values)
         self._since, self._tokens = now, 0.0
         print(self.line(record, now), flush=True)
+
+    def log(self, update: int, values: dict[str, float]) -> None:
+        """Writes `values` to TensorBoard at the end of `update`."""
+        if self._events is not None:
+            scalars = [(f"finetune/{k}", float(v)) for k, v in values.items()]
+            self._events.write(update * self.accumulation, scalars)
+            self._events.flush()
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     def line(self, record: dict[str, float], now: float) -> str:
         """One line of the progress bar."""

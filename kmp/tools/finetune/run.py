@@ -17,6 +17,7 @@ What it writes in `output_dir`:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -115,7 +116,9 @@ def _chat_template(
     values: dict[str, Any], problems: list[str]
 ) -> template_lib.ChatTemplate | None:
     """The chat template `data.template` names, compiled, once it renders
-    every record; else None, with what is wrong added to `problems`."""
+    every record; else None, with what is wrong added to `problems`. A
+    resumed run's renders the time of its first start, and must be the
+    template the checkpoint was written with."""
     try:
         import jinja2
     except ImportError as e:
@@ -127,44 +130,71 @@ def _chat_template(
 
     try:
         source = template_lib.read(values["model"], values["data.template"])
-        tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(values["model"])
-        names = {"bos_token": "start_token", "eos_token": "end_token"}
-        names.update(pad_token="pad_token", unk_token="unk_token")
-        tokens = {k: getattr(tokenizer, a, None) for k, a in names.items()}
+    except ValueError as e:
+        problems.append(str(e))
+        return None
+    checkpoint = os.path.join(values["output_dir"], CHECKPOINT)
+    before = None
+    if values["resume"] and os.path.isfile(checkpoint):
+        before = _saved_run(checkpoint).get("template")
+    if before and before["sha256"] != source.sha256:
+        problems.append(
+            f"resume: the chat template ({source.origin}) is not the one the "
+            "checkpoint was written with: the run would go on training on "
+            "other text. Fix: put the template back, or start anew in another "
+            "output_dir."
+        )
+        return None
+    tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(values["model"])
+    names = {"bos_token": "start_token", "eos_token": "end_token"}
+    names.update(pad_token="pad_token", unk_token="unk_token")
+    tokens = {k: getattr(tokenizer, a, None) for k, a in names.items()}
+    now = (
+        datetime.datetime.fromisoformat(before["time"])
+        if before
+        else datetime.datetime.now()
+    )
+    try:
         chat = template_lib.ChatTemplate(
-            source, {k: t for k, t in tokens.items() if t is not None}
+            source, {k: t for k, t in tokens.items() if t is not None}, now
         )
     except jinja2.TemplateSyntaxError as e:
         problems.append(
-            f"data.template: not a valid Jinja template: {e.message} (line "
-            f"{e.lineno}). Fix: mend it, or data.template: plain."
+            f"data.template: {source.origin} is not a valid Jinja template: "
+            f"{e.message} (line {e.lineno}). Fix: mend it, or data.template: plain."
         )
-        return None
-    except ValueError as e:
-        problems.append(str(e))
         return None
     failed = False
     for path in filter(None, (values["data.train"], values["data.eval"])):
         bad = []
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        chat.pieces(json.loads(line))
-                    except (ValueError, TypeError, jinja2.TemplateError) as e:
-                        bad.append(f"{path}:{number}: the chat template failed: {e}")
+                if not line.strip():
+                    continue
+                try:
+                    chat.pieces(json.loads(line))
+                except ValueError as e:
+                    bad.append(f"{path}:{number}: {e}")
+                except (TypeError, jinja2.TemplateError) as e:
+                    bad.append(f"{path}:{number}: the chat template failed: {e}")
         problems += bad[:MAX_LISTED]
         if len(bad) > MAX_LISTED:
-            problems.append(f"{path}: {len(bad) - MAX_LISTED} more records fail.")
+            problems.append(f"{path}: {len(bad) - MAX_LISTED} more bad records.")
         failed = failed or bool(bad)
     return None if failed else chat
+
+
+def _saved_run(path: str) -> dict[str, Any]:
+    """What the run that wrote the checkpoint at `path` resolved: its
+    config, batch size, updates, policy, estimate and chat template."""
+    with np.load(path) as saved:
+        return json.loads(str(saved["run"]))
 
 
 def _changed_since(path: str, values: dict[str, Any]) -> list[str]:
     """The keys whose values differ from those the checkpoint at `path` was
     written with, where they change what the run trains."""
-    with np.load(path) as saved:
-        before = json.loads(str(saved["run"]))["config"]
+    before = _saved_run(path)["config"]
     changed = [
         f"{name}: {before.get(name)!r} in the checkpoint, {value!r} now"
         for name, value in values.items()
@@ -336,6 +366,7 @@ class Plan:
     per_epoch: int  # updates per epoch: whole windows of batches
     updates: int
     estimate: memory.MemoryEstimate | None
+    template: template_lib.ChatTemplate | None  # None: the plain template
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -427,8 +458,8 @@ def plan(config: Any, checked: Checked) -> Plan:
     optimizer = _optimizer(v, schedule_stub)
     checkpoint = os.path.join(v["output_dir"], CHECKPOINT)
     estimate = _estimate_in(checkpoint) if v["resume"] else None
-    measured = estimate is None
-    if measured and keras.backend.backend() == "tensorflow":
+    reused = estimate is not None
+    if not reused and keras.backend.backend() == "tensorflow":
         sample = train.x
 
         def make_inputs(n: int) -> dict[str, np.ndarray]:
@@ -474,21 +505,20 @@ def plan(config: Any, checked: Checked) -> Plan:
     estimate_mb = estimate.total_mb(batch) if estimate else None
     lines.append(
         f"  memory estimate: {estimate_mb:,.1f} MiB of tensors at the peak"
-        + ("" if measured else " (measured when the run began)")
+        + (" (measured when the run began)" if reused else "")
         if estimate
         else "  memory estimate: not measured (it reads TensorFlow's tensors)"
     )
     return Plan(
         lines, lm, preprocessor, train, held_out, batch, per_epoch, updates,
-        estimate,
+        estimate, checked.template,
     )  # fmt: skip
 
 
 def _estimate_in(path: str) -> memory.MemoryEstimate | None:
     """The memory estimate the run that wrote the checkpoint at `path`
     measured (the same model and config), or None."""
-    with np.load(path) as saved:
-        fields = json.loads(str(saved["run"])).get("estimate")
+    fields = _saved_run(path).get("estimate")
     return memory.MemoryEstimate(**fields) if fields else None
 
 
@@ -531,6 +561,11 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         "updates": the_plan.updates,
         "policy": policy_lib.get_policy().name,
         "estimate": the_plan.estimate and dataclasses.asdict(the_plan.estimate),
+        "template": the_plan.template
+        and {
+            "sha256": the_plan.template.source.sha256,
+            "time": the_plan.template.now.isoformat(),
+        },
     }
     start = restore(checkpoint_path, lm, run) if v["resume"] else 0
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
@@ -543,18 +578,20 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
     history = _earlier(checkpoint_path, start) if v["resume"] else {}
     records = history.setdefault("records", [])
     evaluations = history.setdefault("evaluations", [])
+    logs = os.path.join(out, "logs")
     bar = progress.Progress(
         the_plan.updates, v["logging_steps"], accumulation, tokens_per_batch,
-        schedule, first_update=start,
+        schedule, first_update=start, log_dir=logs,
     )  # fmt: skip
     bar.records = records  # after the resumed run's
     checkpoints = Checkpoint(checkpoint_path, run, accumulation, start, history)
     checkpoints.set_model(lm)  # it saves at the end, also if nothing was left
     monitor = LossScaleMonitor(
-        log_dir=os.path.join(out, "logs"),
+        log_dir=logs,
         csv_path=os.path.join(out, "loss_scale.csv"),
         plot_path=os.path.join(out, "loss_scale.png"),
         every_n_steps=v["logging_steps"] * accumulation,
+        initial_step=start * accumulation,
     )
 
     def evaluation_due(update: int) -> bool:
@@ -563,13 +600,17 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         every = v["eval_steps"] or per_epoch
         return update % every == 0 or update == the_plan.updates
 
+    def evaluate_at(update: int) -> None:
+        evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
+        bar.log(update, {k: evaluations[-1][k] for k in ("eval_loss", "eval_accuracy")})
+
     if (
         start
         and evaluation_due(start)
         and all(e["update"] != start for e in evaluations)
     ):
         # The run stopped after its checkpoint, before this evaluation.
-        evaluations.append(evaluate(lm, the_plan.held_out, batch, start))
+        evaluate_at(start)
     update = start
     step = batch * accumulation  # rows per update
     while update < the_plan.updates:
@@ -592,8 +633,9 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         )
         update = stop
         if evaluation_due(update):
-            evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
+            evaluate_at(update)
     checkpoints.save()
+    bar.close()
     return history
 
 

@@ -4,7 +4,9 @@ A chat template is a Jinja template, as Hugging Face checkpoints carry one
 (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`). It
 is rendered as `transformers` renders it: sandboxed, with `messages`,
 `add_generation_prompt`, the tokenizer's special tokens (`bos_token`,
-`eos_token`, ...), `raise_exception` and `strftime_now`.
+`eos_token`, ...), `raise_exception` and `strftime_now`. `strftime_now`
+reads one time per run (a resumed run's is its first start's), so that a
+template that writes the date writes the same text throughout.
 
 The text learned for an assistant message is what the message adds to the
 conversation before it, rendered with the generation prompt: its content
@@ -13,7 +15,9 @@ and the turn's end marker. The template's own text around it is input only.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 import json
 import os
 from typing import Any
@@ -23,39 +27,62 @@ from typing import Any
 FILES = ("chat_template.jinja", "tokenizer_config.json")
 
 
-def find(model: str) -> str | None:
-    """The chat template the checkpoint directory `model` carries, or None
-    (KerasHub presets carry none)."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A chat template's text and where it was read."""
+
+    text: str
+    origin: str  # a file's path
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def read(model: str, choice: str) -> Source:
+    """The template `data.template` names: the preset's (`'preset'`) or a
+    Jinja file's.
+
+    Raises:
+        ValueError: If the preset carries none, or a file cannot be read.
+    """
+    if choice != "preset":
+        return Source(_text(choice), choice)
     path = os.path.join(model, FILES[0])
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return Source(_text(path), path)
     path = os.path.join(model, FILES[1])
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        source = json.load(f).get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        named = {t.get("name"): t.get("template") for t in source}
-        source = named.get("default")
-    return source if isinstance(source, str) else None
-
-
-def read(model: str, choice: str) -> str:
-    """The template `data.template` names: the preset's (`'preset'`) or a
-    Jinja file's. Raises a ValueError if the preset carries none."""
-    if choice != "preset":
-        with open(choice, encoding="utf-8") as f:
-            return f.read()
-    source = find(model)
-    if source is None:
+    found = None
+    if os.path.isfile(path):
+        try:
+            found = json.loads(_text(path)).get("chat_template")
+        except ValueError as e:
+            raise ValueError(f"data.template: {path} is not JSON ({e}).") from e
+    if isinstance(found, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in found}
+        if "default" not in named:
+            raise ValueError(
+                f"data.template: {path} names chat templates {sorted(named)}, "
+                "none of them 'default'. Fix: data.template: the path of a "
+                "Jinja file holding the one to train with."
+            )
+        found = named["default"]
+    if not isinstance(found, str):
         raise ValueError(
             f"data.template: 'preset', but {model!r} carries no chat template "
             f"(KerasHub presets carry none; Hugging Face checkpoints keep one in "
             f"{' or '.join(FILES)}). Fix: data.template: plain, or the path of "
             "a Jinja chat template."
         )
-    return source
+    return Source(found, path)
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.template: {path} is not UTF-8 text ({e}).") from e
 
 
 class ChatTemplate:
@@ -65,9 +92,15 @@ class ChatTemplate:
         source: The Jinja template.
         special_tokens: The values of `bos_token`, `eos_token`, ... as the
             template reads them.
+        now: The time `strftime_now` writes.
+
+    Raises:
+        jinja2.TemplateSyntaxError: If `source` is not a Jinja template.
     """
 
-    def __init__(self, source: str, special_tokens: dict[str, str]):
+    def __init__(
+        self, source: Source, special_tokens: dict[str, str], now: datetime.datetime
+    ):
         from jinja2 import ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -76,8 +109,10 @@ class ChatTemplate:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = _strftime_now
-        self._template = env.from_string(source)  # raises TemplateSyntaxError
+        env.globals["strftime_now"] = now.strftime
+        self.source = source
+        self.now = now
+        self._template = env.from_string(source.text)
         self._special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -91,10 +126,11 @@ class ChatTemplate:
         """The record as (text, learn it) pieces in order.
 
         Raises:
-            ValueError: If the template writes a conversation's turns
-                otherwise than one after the other (a later turn changes
-                the text of an earlier one), so the learned text cannot be
-                found.
+            ValueError: If the chat opens with an assistant message, or the
+                template writes a turn otherwise than after the text of the
+                turns before it, so the text to learn cannot be found.
+            jinja2.TemplateError: If the template refuses the record (its
+                `raise_exception`).
         """
         messages = record.get("messages") or [
             {"role": "user", "content": record["prompt"]},
@@ -102,29 +138,44 @@ class ChatTemplate:
         ]
         # The whole first: the template's own checks name what is wrong.
         whole = self.render(messages, add_generation_prompt=False)
+        if messages[0]["role"] == "assistant":
+            raise ValueError(
+                "messages[0]: a chat template writes an assistant message after "
+                "the prompt before it; got an assistant message first. Fix: "
+                "open the chat with a user (or system) message, or "
+                "data.template: plain."
+            )
         out, done = [], ""
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[: i + 1], add_generation_prompt=False)
-            _check_prefix(done, before, i)
-            _check_prefix(before, through, i)
+            _check_prefix(done, before, f"the prompt of messages[{i}]")
+            _check_prefix(before, through, f"messages[{i}] after its prompt")
             out += [(before[len(done) :], False), (through[len(before) :], True)]
             done = through
-        _check_prefix(done, whole, len(messages))
+        _check_prefix(done, whole, "the messages after the last assistant one")
         out.append((whole[len(done) :], False))
         return [(text, learn) for text, learn in out if text]
 
 
-def _check_prefix(head: str, text: str, turn: int) -> None:
-    if not text.startswith(head):
-        raise ValueError(
-            f"the chat template writes message {turn} so that the text of the "
-            "messages before it changes, so the text to learn cannot be found. "
-            "Fix: a template that writes each message after the ones before "
-            "it, or data.template: plain."
-        )
+def _check_prefix(head: str, text: str, what: str) -> None:
+    """Raises unless `text` goes on from `head`."""
+    if text.startswith(head):
+        return
+    at = next(
+        (i for i, (a, b) in enumerate(zip(head, text, strict=False)) if a != b),
+        min(len(head), len(text)),
+    )
+    raise ValueError(
+        f"the chat template writes {what} so that the text before it changes: "
+        f"expected it to go on from {head[at : at + 40]!r}, got "
+        f"{text[at : at + 40]!r} there. The text to learn cannot be found. "
+        "Fix: a template that writes each turn after the ones before it (and "
+        "each assistant turn after its generation prompt), or "
+        "data.template: plain."
+    )
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -141,7 +192,3 @@ def _raise(message: str):
     from jinja2.exceptions import TemplateError
 
     raise TemplateError(message)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.datetime.now().strftime(format)
