@@ -3,8 +3,9 @@ finetune` on a small KerasHub Llama and Gemma (random weights that learned
 a base task, made here), per method and policy.
 
 Methods: full fine-tuning, LoRA (rank 8 / alpha 32 on every linear layer),
-QLoRA with an int8 base and with an int4 base. Policies: 'auto' and
-mixed_float16 (Keras refuses int8 under float16: that row says so).
+QLoRA with an int8 base and with an int4 base, and full fine-tuning with
+Keras's float8 training. Policies: 'auto' and mixed_float16 (Keras refuses
+int8 under float16: that row says so).
 
 Each run is `kmp finetune` in a fresh process, on the synthetic
 instruction task of examples/finetune_data.py. From its metrics.json: the
@@ -35,6 +36,7 @@ METHODS = {
     "LoRA": ["--quantize", "null"],
     "QLoRA int8": ["--quantize", "int8"],
     "QLoRA int4": ["--quantize", "int4"],
+    "full float8": ["--method", "full", "--quantize", "float8"],
 }
 POLICIES = ("auto", "mixed_float16")
 

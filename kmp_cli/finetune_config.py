@@ -72,7 +72,8 @@ KEYS = (
         "quantize",
         None,
         "choice",
-        "quantize the frozen base weights before adding LoRA (QLoRA)",
+        "int8, int4: quantize the frozen base before adding LoRA (QLoRA); "
+        "float8: Keras's float8 training, with method full",
         choices=QUANTIZATIONS,
     ),
     Key(
@@ -530,10 +531,16 @@ def _check_together(v: dict[str, Any]) -> list[str]:
             "which is not set. Fix: set memory_budget (such as '4G') or a "
             "batch_size."
         )
-    if v["quantize"] and v["method"] == "full":
+    if v["quantize"] in ("int8", "int4") and v["method"] == "full":
         problems.append(
             f"quantize: {v['quantize']} weights cannot be trained, and method "
             "is full. Fix: method: lora (QLoRA), or quantize: null."
+        )
+    if v["quantize"] == "float8" and v["method"] == "lora":
+        problems.append(
+            "quantize: float8 is Keras's float8 training (every weight trains; "
+            "its matmuls run in float8), and Keras's float8 layers take no "
+            "LoRA; method is lora. Fix: method: full, or quantize: int4 (QLoRA)."
         )
     if v["lora.dropout"]:
         problems.append(

@@ -164,6 +164,26 @@ def test_a_setting_that_needs_another_is_named_with_its_fix(tmp_path, made):
 
 
 @on_the_preset
+def test_float8_trains_every_weight_and_checkpoints_its_scales(tmp_path, made):
+    def read(*more):
+        argv = flags(made, tmp_path / "out", "--quantize", "float8", *more)
+        return finetune_config.read(kmp_cli.build_parser().parse_args(argv))
+
+    [lora] = read().problems  # the example's method: lora
+    assert lora.startswith("quantize: float8 is Keras's float8 training")
+    assert lora.endswith("Fix: method: full, or quantize: int4 (QLoRA).")
+    argv = flags(made, tmp_path / "out", "--quantize", "float8", "--method", "full")
+    argv += ["--max_steps", "6", "--save_steps", "3", "--logging_steps", "3"]
+    argv += ["--data.eval", "null", "--optimizer.learning_rate", "1e-3"]
+    assert kmp_cli.main(argv) == 0
+    with np.load(tmp_path / "out" / "checkpoint.npz") as saved:
+        paths = [str(p) for p in saved["paths"]]
+    assert any(p.endswith("/kernel_amax_history") for p in paths), paths
+    records = json.loads((tmp_path / "out" / "metrics.json").read_text())["records"]
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+@on_the_preset
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, made, capsys):
     out = tmp_path / "out"
     argv = [*flags(made, out), "--data.eval", "null", "--data.eval_fraction", "0.1"]

@@ -75,16 +75,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         plot_path: PNG file to write at the end of training, or None.
         every_n_steps: Record every N train steps (skips in between are
             counted, not lost).
-        initial_step: The train steps made before this monitor's first
-            `fit`, as in a resumed run: its records count on from there.
         underflow_sample: `(x, y)` or `(x, y, sample_weight)`: a batch to
             measure gradient underflow on at each epoch's end, or None (on
             Keras's TensorFlow backend: the measure reads its tape).
+        initial_step: The train steps made before this monitor's first
+            `fit`, as in a resumed run: its records count on from there.
 
     Raises:
         ValueError: at construction, if a path cannot be written,
-            `every_n_steps` is not a positive integer, or `underflow_sample`
-            is not a tuple of two or three.
+            `every_n_steps` is not a positive integer, `initial_step` is
+            negative, or `underflow_sample` is not a tuple of two or three.
         ImportError: if `plot_path` is given and matplotlib is missing, or
             `log_dir` is given and TensorBoard is missing.
         NotImplementedError: for `underflow_sample` on another Keras

@@ -36,7 +36,12 @@ class Sizes:
             if getattr(site.layer, "lora_enabled", False)
         )
         return cls(
-            trainable=count(model.trainable_weights),
+            # Float8 scales are overwritten, not learned: no parameters.
+            trainable=count(
+                v
+                for v in model.trainable_weights
+                if not getattr(v, "overwrite_with_gradient", False)
+            ),
             total=base + adapters,
             weights_bytes=live_tensors.nbytes(model.weights),
             gradients_bytes=live_tensors.nbytes(model.trainable_weights),

@@ -490,11 +490,14 @@ def plan(config: Any, checked: Checked) -> Plan:
         + (f", optimizer state {_mib(optimizer_bytes)}" if optimizer_bytes else "")
     )
     held = f", {len(held_out)} held out" if held_out is not None else ""
-    template = {"plain": "the plain template", "preset": "the preset's chat template"}
+    written_by = {
+        "plain": "the plain template",
+        "preset": "the preset's chat template",
+    }.get(v["data.template"], f"the chat template {v['data.template']}")
     lines.append(
         f"  data: {len(train)} sequences{held}, {train.token_ids.shape[1]} tokens "
         f"each at most ({train.tokens_per_row:.0f} on average), written by "
-        + template.get(v["data.template"], f"the chat template {v['data.template']}")
+        f"{written_by}"
     )
     lines.append(
         f"  batch: {batch}"
@@ -555,17 +558,18 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
     )
     lm.optimizer.build(lm.trainable_variables)
     checkpoint_path = os.path.join(out, CHECKPOINT)
+    estimate, template = the_plan.estimate, the_plan.template
     run = {
         "config": v,
         "batch_size": batch,
         "updates": the_plan.updates,
         "policy": policy_lib.get_policy().name,
-        "estimate": the_plan.estimate and dataclasses.asdict(the_plan.estimate),
-        "template": the_plan.template
-        and {
-            "sha256": the_plan.template.source.sha256,
-            "time": the_plan.template.now.isoformat(),
-        },
+        "estimate": dataclasses.asdict(estimate) if estimate else None,
+        "template": (
+            {"sha256": template.source.sha256, "time": template.now.isoformat()}
+            if template
+            else None
+        ),
     }
     start = restore(checkpoint_path, lm, run) if v["resume"] else 0
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as f:
