@@ -5,11 +5,13 @@ The model is a tiny KerasHub Llama preset that `examples/finetune_data.py`
 makes here (random weights, a tokenizer trained on the task's words).
 """
 
+import gc
 import json
 import os
 import pathlib
 import re
 import runpy
+import signal
 import subprocess
 import sys
 
@@ -164,23 +166,11 @@ def test_a_setting_that_needs_another_is_named_with_its_fix(tmp_path, made):
 
 
 @on_the_preset
-def test_float8_trains_every_weight_and_checkpoints_its_scales(tmp_path, made):
-    def read(*more):
-        argv = flags(made, tmp_path / "out", "--quantize", "float8", *more)
-        return finetune_config.read(kmp_cli.build_parser().parse_args(argv))
-
-    [lora] = read().problems  # the example's method: lora
+def test_float8_is_refused_with_lora(tmp_path, made):
+    argv = flags(made, tmp_path / "out", "--quantize", "float8")
+    [lora] = finetune_config.read(kmp_cli.build_parser().parse_args(argv)).problems
     assert lora.startswith("quantize: float8 is Keras's float8 training")
     assert lora.endswith("Fix: method: full, or quantize: int4 (QLoRA).")
-    argv = flags(made, tmp_path / "out", "--quantize", "float8", "--method", "full")
-    argv += ["--max_steps", "6", "--save_steps", "3", "--logging_steps", "3"]
-    argv += ["--data.eval", "null", "--optimizer.learning_rate", "1e-3"]
-    assert kmp_cli.main(argv) == 0
-    with np.load(tmp_path / "out" / "checkpoint.npz") as saved:
-        paths = [str(p) for p in saved["paths"]]
-    assert any(p.endswith("/kernel_amax_history") for p in paths), paths
-    records = json.loads((tmp_path / "out" / "metrics.json").read_text())["records"]
-    assert records[-1]["loss"] < records[0]["loss"]
 
 
 @on_the_preset
@@ -237,12 +227,19 @@ def test_the_example_learns_and_a_resumed_run_ends_where_one_run_does(
     assert any((whole / "logs").iterdir())  # TensorBoard
 
     # Interrupted (Ctrl-C) once its first checkpoint is written, then
-    # resumed: the interrupt is raised where the checkpoint was written.
+    # resumed. The SIGINT comes in a garbage-collection callback, as it can
+    # on JAX, where the KeyboardInterrupt Python raises there is dropped.
     from kmp.tools.finetune import run
 
     def save_then_interrupt(self):
         written(self)
-        raise KeyboardInterrupt
+
+        def at_collection(phase, info):
+            gc.callbacks.remove(at_collection)
+            signal.raise_signal(signal.SIGINT)
+
+        gc.callbacks.append(at_collection)
+        gc.collect()
 
     written = run.Checkpoint.save
     cut = tmp_path / "cut"
@@ -282,8 +279,7 @@ def test_the_example_learns_and_a_resumed_run_ends_where_one_run_does(
     assert first["finetune/learning_rate"] == [10, 20, 30, 40, 50, 60]
     assert again["finetune/eval_loss"] == [20, 40, 60]
     assert again["finetune/memory_gib"] == first["finetune/memory_gib"]
-    resumed_at = again["kmp/loss"].index(10) + 1  # the first run's last record
-    assert again["kmp/loss"][resumed_at:] == [30, 40, 50, 60]
+    assert again["kmp/loss"] == first["kmp/loss"] == [10, 20, 30, 40, 50, 60]
     one, two = (
         lora_weights(whole / "adapter.lora.h5"),
         lora_weights(cut / "adapter.lora.h5"),
@@ -518,7 +514,9 @@ def test_a_chat_template_that_fails_is_named_before_the_model_loads(tmp_path, ma
 def test_a_hugging_face_checkpoint_trains_on_its_own_chat_template(tmp_path, capsys):
     """A Gemma checkpoint in Hugging Face's format (as KerasHub exports one,
     with the config's `architectures` and Gemma's chat template added)
-    fine-tunes on its template's text: the response and <end_of_turn>."""
+    fine-tunes on its template's text: the response and <end_of_turn>. It
+    trains every weight under Keras's float8 training, whose scales the
+    checkpoint holds."""
     from datetime import datetime
 
     import keras_hub
@@ -540,7 +538,7 @@ def test_a_hugging_face_checkpoint_trains_on_its_own_chat_template(tmp_path, cap
     out = tmp_path / "out"
     argv = [
         *flags(tmp_path, out, "--model", str(hf), "--data.template", "preset"),
-        "--method", "full", "--quantize", "null", "--max_steps", "12",
+        "--method", "full", "--quantize", "float8", "--max_steps", "12",
     ]  # fmt: skip
     assert kmp_cli.main(argv) == 0
     plan = capsys.readouterr().out
@@ -564,6 +562,9 @@ def test_a_hugging_face_checkpoint_trains_on_its_own_chat_template(tmp_path, cap
     metrics = json.loads((out / "metrics.json").read_text())
     first, last = metrics["records"][0], metrics["records"][-1]
     assert last["loss"] < first["loss"]
+    with np.load(out / "checkpoint.npz") as saved:
+        paths = [str(p) for p in saved["paths"]]
+    assert any(p.endswith("/kernel_amax_history") for p in paths), paths
     assert metrics["evaluations"][-1]["eval_accuracy"] > 2 / LETTERS
 
 

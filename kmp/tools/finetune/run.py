@@ -35,6 +35,7 @@ from kmp.precision import policy as policy_lib
 from kmp.tools import bench
 from kmp.tools import runs
 from kmp.tools.finetune import data
+from kmp.tools.finetune import interrupt
 from kmp.tools.finetune import model as model_lib
 from kmp.tools.finetune import progress
 from kmp.tools.finetune import template as template_lib
@@ -605,39 +606,41 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         return update % every == 0 or update == the_plan.updates
 
     def evaluate_at(update: int) -> None:
-        evaluations.append(evaluate(lm, the_plan.held_out, batch, update))
+        held = the_plan.held_out
+        evaluations.append(evaluate(lm, held, batch, update, [interrupts]))
         bar.log(update, {k: evaluations[-1][k] for k in ("eval_loss", "eval_accuracy")})
 
-    if (
-        start
-        and evaluation_due(start)
-        and all(e["update"] != start for e in evaluations)
-    ):
-        # The run stopped after its checkpoint, before this evaluation.
-        evaluate_at(start)
-    update = start
-    step = batch * accumulation  # rows per update
-    while update < the_plan.updates:
-        # Train to the next epoch's end, evaluation or the last update.
-        epoch, done = divmod(update, per_epoch)
-        stop = min((epoch + 1) * per_epoch, the_plan.updates)
-        if v["eval_steps"]:
-            stop = min(stop, (update // v["eval_steps"] + 1) * v["eval_steps"])
-        rows = _order(len(train_rows), step, v["seed"], epoch)
-        part = train_rows.take(rows[done * step : (done + stop - update) * step])
-        lm.fit(
-            part.x,
-            part.y,
-            sample_weight=part.sample_weight,
-            batch_size=batch,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            callbacks=[bar, checkpoints, monitor],
-        )
-        update = stop
-        if evaluation_due(update):
-            evaluate_at(update)
+    with interrupt.StopOnInterrupt() as interrupts:  # Ctrl-C: at a batch's end
+        if (
+            start
+            and evaluation_due(start)
+            and all(e["update"] != start for e in evaluations)
+        ):
+            # The run stopped after its checkpoint, before this evaluation.
+            evaluate_at(start)
+        update = start
+        step = batch * accumulation  # rows per update
+        while update < the_plan.updates:
+            # Train to the next epoch's end, evaluation or the last update.
+            epoch, done = divmod(update, per_epoch)
+            stop = min((epoch + 1) * per_epoch, the_plan.updates)
+            if v["eval_steps"]:
+                stop = min(stop, (update // v["eval_steps"] + 1) * v["eval_steps"])
+            rows = _order(len(train_rows), step, v["seed"], epoch)
+            part = train_rows.take(rows[done * step : (done + stop - update) * step])
+            lm.fit(
+                part.x,
+                part.y,
+                sample_weight=part.sample_weight,
+                batch_size=batch,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+                callbacks=[bar, checkpoints, monitor, interrupts],
+            )
+            update = stop
+            if evaluation_due(update):
+                evaluate_at(update)
     checkpoints.save()
     bar.close()
     return history
@@ -651,10 +654,17 @@ def _earlier(path: str, start: int) -> dict[str, list]:
     return {k: [r for r in rows if r["update"] <= start] for k, rows in history.items()}
 
 
-def evaluate(lm: Any, held: data.Tokens, batch: int, update: int) -> dict[str, float]:
+def evaluate(
+    lm: Any, held: data.Tokens, batch: int, update: int, callbacks: list = ()
+) -> dict[str, float]:
     """The held-out loss and accuracy (of the response tokens), printed."""
     loss, accuracy = lm.evaluate(
-        held.x, held.y, sample_weight=held.sample_weight, batch_size=batch, verbose=0
+        held.x,
+        held.y,
+        sample_weight=held.sample_weight,
+        batch_size=batch,
+        verbose=0,
+        callbacks=list(callbacks),
     )
     print(f"\nupdate {update}: held-out loss {loss:.4f}, accuracy {accuracy:.3f}")
     return {"update": update, "eval_loss": loss, "eval_accuracy": accuracy}
