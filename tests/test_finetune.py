@@ -614,6 +614,46 @@ def test_the_learning_rate_shown_is_the_optimizers_after_skipped_steps(capsys):
     assert "lr 2.50e-01 · skipped 2" in capsys.readouterr().out
 
 
+def test_a_resumed_run_drops_the_values_logged_after_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from kmp.tools.finetune import progress
+
+    schedule = progress.WarmupSchedule(1.0, 10, 0, "constant")
+    # The stopped run logged updates 1 to 5; its checkpoint was at update 3.
+    for first, losses in ((0, [1.0] * 5), (3, [2.0] * 2)):
+        bar = progress.Progress(
+            10, 1, 2, 1.0, schedule, first_update=first, log_dir=str(tmp_path)
+        )
+        for batch, loss in enumerate(np.repeat(losses, 2)):
+            bar.on_train_batch_end(batch, {"loss": loss, "skipped_steps_total": 0})
+        bar.close()
+    events = event_accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+    # Steps count batches: two per update.
+    assert [(e.step, e.value) for e in events.Scalars("finetune/loss")] == [
+        (2, 1.0), (4, 1.0), (6, 1.0), (8, 2.0), (10, 2.0),
+    ]  # fmt: skip
+
+
+def test_a_ctrl_c_after_the_last_batch_still_stops_the_run():
+    from kmp.tools.finetune import interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    # Raised at the block's end.
+    with pytest.raises(KeyboardInterrupt), interrupt.StopOnInterrupt() as stop:
+        signal.raise_signal(signal.SIGINT)  # only asks
+        assert stop.asked
+    assert signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as for a background job
+    try:
+        with interrupt.StopOnInterrupt() as stop:
+            signal.raise_signal(signal.SIGINT)
+        assert not stop.asked
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_auto_batch_is_the_largest_the_estimate_fits():
     from kmp.diagnostics.memory import MemoryEstimate
     from kmp.tools.finetune import run

@@ -84,7 +84,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Raises:
         ValueError: at construction, if a path cannot be written,
             `every_n_steps` is not a positive integer, `initial_step` is
-            negative, or `underflow_sample` is not a tuple of two or three.
+            not an integer of 0 or more, or `underflow_sample` is not a
+            tuple of two or three.
         ImportError: if `plot_path` is given and matplotlib is missing, or
             `log_dir` is given and TensorBoard is missing.
         NotImplementedError: for `underflow_sample` on another Keras

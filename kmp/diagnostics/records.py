@@ -213,7 +213,7 @@ def _event_file(log_dir: str):
 class EventFile:
     """A new TensorBoard event file in `log_dir`. Each `write` adds one
     event: scalars (`simple_value`, which TensorBoard reads) and texts at a
-    step."""
+    step, flushed at once."""
 
     def __init__(self, log_dir: str):
         self._records = _event_file(log_dir)
@@ -237,6 +237,18 @@ class EventFile:
             summary.value.extend(text_summary.text_pb(tag, text).value)
         event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
         self._records.write(event.SerializeToString())
+        self._records.flush()
+
+    def restart(self, step: int) -> None:
+        """Marks a run that goes on from before `step`: TensorBoard drops
+        what earlier files hold from `step` on (a stopped run's steps after
+        the checkpoint a resumed run starts from)."""
+        from tensorboard.compat.proto import event_pb2
+
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        event = event_pb2.Event(wall_time=time.time(), step=step, session_log=start)
+        self._records.write(event.SerializeToString())
+        self._records.flush()
 
     def flush(self) -> None:
         self._records.flush()

@@ -107,7 +107,8 @@ class Progress(Updates):
         first_update: The update the run starts after (when resumed).
         log_dir: The TensorBoard log directory, or None. Values go under
             `finetune/`, at the step of the batch that ends their update
-            (the steps `LossScaleMonitor` counts).
+            (the steps `LossScaleMonitor` counts). A resumed run's drop
+            what the stopped run wrote after its checkpoint.
     """
 
     def __init__(
@@ -125,6 +126,8 @@ class Progress(Updates):
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
             self._events = records_lib.EventFile(log_dir)
+            if first_update:  # what a stopped run wrote after it is dropped
+                self._events.restart(first_update * accumulation + 1)
         self.schedule = schedule
         self.total = total
         self.logging_steps = logging_steps
@@ -152,6 +155,8 @@ class Progress(Updates):
                 record[name] = float(logs[name])
         # The optimizer counts the micro-batches it applied: a skipped one
         # (inf/NaN gradients) moves its schedule on no further.
+        # (kmp.compile's telemetry puts the count in the logs; a model
+        # without it has skipped none.)
         applied = self.update * self.accumulation - logs.get("skipped_steps_total", 0)
         lr = self.schedule(max(int(applied) - 1, 0))
         record["learning_rate"] = float(keras.ops.convert_to_numpy(lr))
@@ -175,7 +180,6 @@ class Progress(Updates):
         if self._events is not None:
             scalars = [(f"finetune/{k}", float(v)) for k, v in values.items()]
             self._events.write(update * self.accumulation, scalars)
-            self._events.flush()
 
     def close(self) -> None:
         if self._events is not None:

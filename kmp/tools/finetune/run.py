@@ -16,6 +16,7 @@ What it writes in `output_dir`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -610,7 +611,7 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
         evaluations.append(evaluate(lm, held, batch, update, [interrupts]))
         bar.log(update, {k: evaluations[-1][k] for k in ("eval_loss", "eval_accuracy")})
 
-    with interrupt.StopOnInterrupt() as interrupts:  # Ctrl-C: at a batch's end
+    with contextlib.closing(bar), interrupt.StopOnInterrupt() as interrupts:
         if (
             start
             and evaluation_due(start)
@@ -642,7 +643,6 @@ def train(config: Any, the_plan: Plan) -> dict[str, Any]:
             if evaluation_due(update):
                 evaluate_at(update)
     checkpoints.save()
-    bar.close()
     return history
 
 
