@@ -184,6 +184,22 @@ def test_monitor_every_n_steps_counts_the_skips_in_between():
     assert [r.skipped for r in monitor.records] == [4, 4]
 
 
+def test_event_files_sort_in_the_order_made(tmp_path, monkeypatch):
+    """TensorBoard reads a folder's event files in the order of their names."""
+    import itertools
+
+    from kmp.diagnostics import records
+
+    monkeypatch.setattr(records, "_EVENT_FILES", itertools.count(8))
+    made = []
+    for _ in range(4):  # numbers 8 to 11: "10" sorts before "8" as text
+        before = set(tmp_path.iterdir())
+        records.EventFile(str(tmp_path)).close()
+        (new,) = set(tmp_path.iterdir()) - before
+        made.append(new.name)
+    assert sorted(made) == made
+
+
 def test_a_resumed_runs_monitor_counts_on_from_its_initial_step():
     model = blown_model(1e6)
     x, y = data(256)

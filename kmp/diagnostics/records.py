@@ -192,6 +192,8 @@ def check_paths(
 
 
 # Each event file's own number in this process, as TensorBoard numbers them.
+# Written with its zeros: TensorBoard reads a folder's files in the order of
+# their names, and those made in one second differ only here.
 _EVENT_FILES = itertools.count()
 
 
@@ -203,7 +205,7 @@ def _event_file(log_dir: str):
     from tensorboard.summary.writer.record_writer import RecordWriter as Records
 
     stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-    name = f"events.out.tfevents.{stamp}.{next(_EVENT_FILES)}"
+    name = f"events.out.tfevents.{stamp}.{next(_EVENT_FILES):06d}"
     records = Records(open(os.path.join(log_dir, name), "wb"))  # noqa: SIM115
     version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
     records.write(version.SerializeToString())
