@@ -8,7 +8,10 @@ Each variant runs in a fresh process; the figure is TensorFlow's peak of
 live tensors on the CPU over `fit`.
 
 Run: python benchmarks/accumulation_memory.py --preset DIR [--steps 2]
-     (one variant: --variant keras|kmp|kmp-fused)
+     [--variants keras keras-lso kmp kmp-fused]
+     (one variant: --variant keras|keras-lso|kmp|kmp-fused; keras-lso is
+     plain Keras with its own LossScaleOptimizer, which skips non-finite
+     steps as kmp does)
 """
 
 import argparse
@@ -44,6 +47,8 @@ def measure(preset: str, variant: str, steps: int) -> float:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if variant == "keras":
         lm.compile(optimizer=optimizer, loss=loss)
+    elif variant == "keras-lso":  # Keras's own skip of non-finite steps
+        lm.compile(optimizer=keras.optimizers.LossScaleOptimizer(optimizer), loss=loss)
     else:
         fused = True if variant == "kmp-fused" else None
         kmp.compile(lm, optimizer=optimizer, loss=loss, fused_update=fused)
@@ -56,12 +61,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True)
     parser.add_argument("--steps", type=int, default=2, help="accumulation steps")
-    parser.add_argument("--variant", choices=("keras", "kmp", "kmp-fused"))
+    parser.add_argument("--variant", choices=("keras", "keras-lso", "kmp", "kmp-fused"))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["keras", "kmp", "kmp-fused"],
+        help="the variants, each run twice in turn",
+    )
     args = parser.parse_args()
     if args.variant:
         print(f"{measure(args.preset, args.variant, args.steps):.1f}")
         return
-    for variant in ("keras", "kmp", "kmp-fused", "keras", "kmp", "kmp-fused"):
+    for variant in args.variants * 2:
         done = subprocess.run(
             [sys.executable, __file__, "--preset", args.preset,
              "--steps", str(args.steps), "--variant", variant],
