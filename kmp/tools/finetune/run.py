@@ -105,22 +105,26 @@ def check(config: Any) -> Checked:
             "under KERAS_BACKEND=tensorflow."
         )
     path = os.path.join(str(values["output_dir"]), CHECKPOINT)
+    saved = None  # what the run to resume resolved
     if values["resume"] is True and os.path.isfile(path):
-        problems += _changed_since(path, values)
+        saved = _saved_run(path)
+        problems += _changed_since(saved["config"], values)
     template = None
     if values["data.template"] != "plain" and not config.problems:
-        template = _chat_template(values, problems)
+        before = saved.get("template") if saved else None
+        template = _chat_template(values, before, problems)
     config.check(problems)
     return Checked(policy, reason, budget, template)
 
 
 def _chat_template(
-    values: dict[str, Any], problems: list[str]
+    values: dict[str, Any], before: dict[str, str] | None, problems: list[str]
 ) -> template_lib.ChatTemplate | None:
     """The chat template `data.template` names, compiled, once it renders
     every record; else None, with what is wrong added to `problems`. A
-    resumed run's renders the time of its first start, and must be the
-    template the checkpoint was written with."""
+    resumed run's (`before`: the checkpoint's sha256 and time of the
+    template) renders the time of its first start, and must be the template
+    the checkpoint was written with."""
     try:
         import jinja2
     except ImportError as e:
@@ -135,10 +139,6 @@ def _chat_template(
     except ValueError as e:
         problems.append(str(e))
         return None
-    checkpoint = os.path.join(values["output_dir"], CHECKPOINT)
-    before = None
-    if values["resume"] and os.path.isfile(checkpoint):
-        before = _saved_run(checkpoint).get("template")
     if before and before["sha256"] != source.sha256:
         problems.append(
             f"resume: the chat template ({source.origin}) is not the one the "
@@ -193,10 +193,9 @@ def _saved_run(path: str) -> dict[str, Any]:
         return json.loads(str(saved["run"]))
 
 
-def _changed_since(path: str, values: dict[str, Any]) -> list[str]:
-    """The keys whose values differ from those the checkpoint at `path` was
-    written with, where they change what the run trains."""
-    before = _saved_run(path)["config"]
+def _changed_since(before: dict[str, Any], values: dict[str, Any]) -> list[str]:
+    """The keys whose values differ from those the checkpoint was written
+    with (`before`), where they change what the run trains."""
     changed = [
         f"{name}: {before.get(name)!r} in the checkpoint, {value!r} now"
         for name, value in values.items()
